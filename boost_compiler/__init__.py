@@ -1,0 +1,55 @@
+"""boost-compiler: a torch.compile backend for low-rank bottleneck LLMs.
+
+Write the model for one device; ``torch.compile(model, backend="boost")``
+finds every low-rank bottleneck ``d_in -> r -> d_out`` from the graph's
+structure and runs the boost passes before Inductor.
+
+Example::
+
+    import torch
+    from torch import nn
+    import boost_compiler
+
+    model = nn.Sequential(nn.Linear(64, 16, bias=False), nn.SiLU(), nn.Linear(16, 64))
+    x = torch.randn(4, 64)
+    for b in boost_compiler.detect(model, (x,)):
+        print(b.down, "->", b.up, f"{b.d_in} -> {b.rank} -> {b.d_out}", b.ops)
+    compiled = torch.compile(model, backend="boost")   # no import needed for this line
+    assert torch.allclose(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+"""
+
+from __future__ import annotations
+
+from .backend import boost_backend
+from .capture import CapturedGraph, capture
+from .detect import Bottleneck, detect
+from .errors import (
+    BoostError,
+    CaptureError,
+    MeshError,
+    OptionError,
+    OptionTypeError,
+    ShardingError,
+    UnknownOptionError,
+)
+from .options import BoostOptions
+from .report import bottleneck_table
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bottleneck",
+    "BoostError",
+    "BoostOptions",
+    "CaptureError",
+    "CapturedGraph",
+    "MeshError",
+    "OptionError",
+    "OptionTypeError",
+    "ShardingError",
+    "UnknownOptionError",
+    "boost_backend",
+    "bottleneck_table",
+    "capture",
+    "detect",
+]

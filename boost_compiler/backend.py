@@ -1,0 +1,122 @@
+"""The ``boost`` torch.compile backend: run the pass pipeline, lower with Inductor.
+
+Registered through the ``torch_dynamo_backends`` entry point in pyproject, so
+``torch.compile(model, backend="boost")`` works without importing this package.
+
+Example::
+
+    import torch
+    from torch import nn
+    model = nn.Sequential(nn.Linear(64, 16, bias=False), nn.SiLU(), nn.Linear(16, 64))
+    compiled = torch.compile(model, backend="boost", options={"lowering": "eager"})
+    y = compiled(torch.randn(2, 64))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from ._logging import get_logger
+from .capture import placeholder_names
+from .options import BoostOptions
+from .passes import PIPELINE, BoostPass, PassContext
+from .passes.base import _digest
+
+log = get_logger(__name__)
+
+
+class _PipelineFingerprint(CustomGraphPass):
+    """A no-op Inductor pass whose uuid is the boost pipeline's.
+
+    The dynamo-graph passes run before Inductor sees the graph, so a changed
+    graph already changes the cache key; metadata-only changes do not. This
+    pass, registered as ``post_grad_custom_post_pass``, folds every boost pass's
+    uuid into Inductor's and AOTAutograd's cache keys.
+    """
+
+    def __init__(self, uuids: Sequence[str], inner: Any = None) -> None:
+        self.uuids = tuple(uuids)
+        self.inner = inner  # a user's own post_grad_custom_post_pass, kept working
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+
+    def uuid(self) -> str:
+        inner = self.inner.uuid() if isinstance(self.inner, CustomGraphPass) else None
+        return _digest(*self.uuids, repr(inner))
+
+
+def run_pipeline(gm: fx.GraphModule, ctx: PassContext, options: BoostOptions) -> list[BoostPass]:
+    """Run the enabled passes in order on ``gm``; returns the pass objects run."""
+    ran: list[BoostPass] = []
+    for cls in PIPELINE:
+        if not options.enabled(cls.name):
+            log.debug("pass %s switched off", cls.name)
+            continue
+        p = cls(ctx, options.passes[cls.name])
+        p(gm.graph)
+        ran.append(p)
+    gm.recompile()
+    return ran
+
+
+def boost_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """torch.compile backend entry point (see module docstring)."""
+    opts = BoostOptions.parse(options)
+    params, _ = placeholder_names(gm, example_inputs)
+    ctx = PassContext(param_names=params)
+    ran = run_pipeline(gm, ctx, opts)
+    counters["boost"]["graphs"] += 1
+    counters["boost"]["bottlenecks"] += len(ctx.bottlenecks)
+    log.info(
+        "boost: compiled a graph of %d nodes with passes [%s]",
+        len(gm.graph.nodes),
+        ", ".join(p.name for p in ran),
+    )
+    if opts.settings["lowering"] == "eager":
+        return gm.forward
+    return _lower_with_inductor(gm, list(example_inputs), ran, opts, mode)
+
+
+def _lower_with_inductor(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    ran: Sequence[BoostPass],
+    opts: BoostOptions,
+    mode: str | None,
+) -> Callable[..., Any]:
+    from torch._inductor import config as inductor_config
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        patches.update(list_mode_options(mode))
+    patches.update(opts.settings["inductor_config"] or {})
+    user_pass = patches.get(
+        "post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass
+    )
+    patches["post_grad_custom_post_pass"] = _PipelineFingerprint([p.uuid() for p in ran], user_pass)
+    # Inductor config must travel as config_patches: a `with config.patch()`
+    # around compile_fx would miss the lazily compiled backward graph.
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def compiled_graph_count() -> int:
+    """How many graphs the boost backend compiled in this process (for tests)."""
+    return int(counters["boost"]["graphs"])
+
+
+__all__ = ["boost_backend", "run_pipeline", "compiled_graph_count"]

@@ -1,0 +1,151 @@
+"""Capture: the model's forward as dynamo FX graphs, shapes from fake tensors.
+
+The backend receives exactly this kind of graph from ``torch.compile``; the
+analysis entry points (``detect``, ``parallelize``) capture it themselves with a
+recording backend so that every component sees one IR: torch-level ops
+(``F.linear``, ``torch.matmul``, ``F.silu``...), parameters as placeholders,
+shapes in ``node.meta["example_value"]``. Works on meta-device models: dynamo
+only needs fake tensors, and the recorded graph is run on meta tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ._logging import get_logger
+from .errors import CaptureError
+
+log = get_logger(__name__)
+
+
+@dataclass
+class CapturedGraph:
+    """One dynamo graph plus the names of the parameters its placeholders hold."""
+
+    gm: fx.GraphModule
+    example_inputs: list[Any]
+    # placeholder node name -> fully-qualified name as in model.named_parameters()
+    param_names: dict[str, str] = field(default_factory=dict)
+    # placeholder node name -> fully-qualified buffer name
+    buffer_names: dict[str, str] = field(default_factory=dict)
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+_SOURCE_TOKEN = re.compile(
+    r"\._(?:modules|parameters|buffers)\['([^']+)'\]"  # L['self']._modules['layers']
+    r"|\.([A-Za-z_]\w*)"  # L['self'].layers
+    r"|\[(\d+)\]"  # ...layers[0]
+)
+
+
+def fqn_from_source(source_name: str) -> str | None:
+    """``L['self']._modules['layers']._modules['0']._parameters['w']`` -> ``layers.0.w``.
+
+    Dynamo names a parameter placeholder by the attribute path it was read
+    from. Returns None for a source that does not start at the module itself.
+    """
+    head = re.match(r"L\['(self|mod|model|fn)'\]", source_name)
+    if head is None:
+        return None
+    parts: list[str] = []
+    for m in _SOURCE_TOKEN.finditer(source_name, head.end()):
+        parts.append(next(g for g in m.groups() if g is not None))
+    return ".".join(parts) or None
+
+
+def placeholder_names(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], model: nn.Module | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Map placeholders to parameter and buffer FQNs.
+
+    With the model at hand the mapping is by object identity (exact, also for
+    tied parameters: the first name ``named_parameters`` gives wins). Without
+    it (inside the backend) the dynamo source name is parsed.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params: dict[str, str] = {}
+    buffers: dict[str, str] = {}
+    by_id_p: dict[int, str] = {}
+    by_id_b: dict[int, str] = {}
+    if model is not None:
+        for name, p in model.named_parameters(remove_duplicate=False):
+            by_id_p.setdefault(id(p), name)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            by_id_b.setdefault(id(b), name)
+    for node, value in zip(placeholders, example_inputs, strict=False):
+        if model is not None:
+            if id(value) in by_id_p:
+                params[node.name] = by_id_p[id(value)]
+            elif id(value) in by_id_b:
+                buffers[node.name] = by_id_b[id(value)]
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        fqn = fqn_from_source(source.name) if source is not None else None
+        if fqn is None:
+            continue
+        if isinstance(value, nn.Parameter):
+            params[node.name] = fqn
+        elif "_buffers[" in source.name:
+            buffers[node.name] = fqn
+    return params, buffers
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> list[CapturedGraph]:
+    """Trace ``model(*example_inputs, **example_kwargs)`` with dynamo.
+
+    Returns every graph dynamo produced (more than one when the model has
+    graph breaks). Raises :class:`CaptureError` when the inputs do not run
+    through the model, with the model's own exception chained.
+    """
+    graphs: list[CapturedGraph] = []
+
+    def record(gm: fx.GraphModule, inputs: list[Any]) -> Any:
+        params, buffers = placeholder_names(gm, inputs, model)
+        graphs.append(CapturedGraph(gm, list(inputs), params, buffers))
+        return gm.forward
+
+    kwargs = dict(example_kwargs or {})
+    # Capture must not be cut short by the recompile limit when many models of
+    # one class are analysed in one process (dynamo caches per code object).
+    with torch._dynamo.config.patch(recompile_limit=10_000, accumulated_recompile_limit=100_000):
+        compiled = torch.compile(model, backend=record, dynamic=False)
+        try:
+            compiled(*example_inputs, **kwargs)
+        except Exception as exc:  # the model's own error, re-raised with context
+            raise CaptureError(
+                f"{type(model).__name__} did not run with the example inputs "
+                f"({_describe(example_inputs, kwargs)}): {type(exc).__name__}: {exc}"
+            ) from exc
+    if not graphs:
+        raise CaptureError(
+            f"dynamo produced no graph for {type(model).__name__}; is its forward empty "
+            "or wrapped in torch.compiler.disable?"
+        )
+    log.debug("captured %d graph(s) from %s", len(graphs), type(model).__name__)
+    return graphs
+
+
+def _describe(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    def one(v: Any) -> str:
+        if isinstance(v, torch.Tensor):
+            return f"Tensor{tuple(v.shape)} {v.dtype} on {v.device}"
+        return type(v).__name__
+
+    items = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return ", ".join(items) or "no inputs"

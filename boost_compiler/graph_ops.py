@@ -1,0 +1,209 @@
+"""What a dynamo-graph node computes, in the terms the analysis needs.
+
+Two questions matter for bottleneck detection: is a node a *contraction with a
+parameter* (which parameter, which dimension goes in and out), and is it
+*element-wise on the last dimension* (so a rank-r activation stays rank-r and
+every position of the last dim is computed on its own). Both are answered from
+the op and the fake-tensor shapes, never from module or parameter names.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+
+def value_of(node: Any) -> Any:
+    """The fake (or meta) value dynamo or AOT recorded for a node."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def shape_of(node: Any) -> tuple[Any, ...] | None:
+    v = value_of(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def last_dim(node: Any) -> Any:
+    shape = shape_of(node)
+    return shape[-1] if shape else None
+
+
+def op_name(node: fx.Node) -> str:
+    """A short, stable name for reports: ``silu``, ``to``, ``add``, ``linear``."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target)).lstrip("_")
+    if node.op == "call_module":
+        return str(node.target)
+    return node.op
+
+
+# --- contractions ---------------------------------------------------------
+
+_LINEAR = {F.linear, torch._C._nn.linear}
+_MATMUL_FN = {torch.matmul, operator.matmul, torch.mm}
+_MATMUL_METHOD = {"matmul", "__matmul__", "mm"}
+# Ops through which a weight still "is" the parameter (dtype casts, views of
+# the same matrix). A transpose flips which side is d_in.
+_WEIGHT_CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "contiguous"}
+_WEIGHT_TRANSPOSE = {"t", "T", "mT"}
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """``out = contract(input, weight)`` over the input's last dimension."""
+
+    node: fx.Node
+    input: fx.Node
+    weight: fx.Node  # the placeholder holding the parameter
+    d_in: int
+    d_out: int
+    bias: fx.Node | None = None
+    weight_layout: str = "out_in"  # "out_in" (nn.Linear) or "in_out" (x @ W)
+
+
+def _weight_placeholder(node: Any, params: set[str]) -> tuple[fx.Node, bool] | None:
+    """Follow casts/transposes back to a parameter placeholder.
+
+    Returns ``(placeholder, transposed)`` or None when the operand is not a
+    parameter (an activation, e.g. attention's ``q @ k^T``).
+    """
+    transposed = False
+    while isinstance(node, fx.Node):
+        if node.op == "placeholder":
+            return (node, transposed) if node.name in params else None
+        if node.op == "call_method" and node.target in _WEIGHT_CASTS:
+            node = node.args[0]
+        elif node.op == "call_method" and node.target in _WEIGHT_TRANSPOSE:
+            transposed = not transposed
+            node = node.args[0]
+        elif (
+            node.op == "call_function"
+            and node.target is getattr
+            and node.args[1]
+            in (
+                "T",
+                "mT",
+            )
+        ):
+            transposed = not transposed
+            node = node.args[0]
+        elif node.op == "call_method" and node.target == "transpose" and _is_swap_2d(node):
+            transposed = not transposed
+            node = node.args[0]
+        else:
+            return None
+    return None
+
+
+def _is_swap_2d(node: fx.Node) -> bool:
+    dims = {d % 2 for d in node.args[1:3] if isinstance(d, int)}
+    return len(dims) == 2 and len(shape_of(node) or ()) == 2
+
+
+def as_contraction(node: fx.Node, params: set[str]) -> Contraction | None:
+    """Recognise ``F.linear(x, W, b)``, ``x @ W``, ``torch.matmul(x, W)``, ``addmm(b, x, W)``.
+
+    ``params`` holds the names of placeholder nodes that are parameters.
+    """
+    if node.op == "call_function" and node.target in _LINEAR:
+        x, w = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        found = _weight_placeholder(w, params)
+        if found is None or not isinstance(x, fx.Node):
+            return None
+        ph, transposed = found
+        return _make(node, x, ph, b, "in_out" if transposed else "out_in")
+    if (node.op == "call_function" and node.target in _MATMUL_FN) or (
+        node.op == "call_method" and node.target in _MATMUL_METHOD
+    ):
+        x, w = node.args[0], node.args[1]
+        found = _weight_placeholder(w, params)
+        if found is None or not isinstance(x, fx.Node):
+            return None
+        ph, transposed = found
+        return _make(node, x, ph, None, "out_in" if transposed else "in_out")
+    if node.op == "call_function" and node.target is torch.addmm:
+        b, x, w = node.args[:3]
+        found = _weight_placeholder(w, params)
+        if found is None or not isinstance(x, fx.Node):
+            return None
+        ph, transposed = found
+        return _make(node, x, ph, b, "out_in" if transposed else "in_out")
+    return None
+
+
+def _make(node: fx.Node, x: fx.Node, ph: fx.Node, bias: Any, layout: str) -> Contraction | None:
+    w_shape = shape_of(ph)
+    if w_shape is None or len(w_shape) != 2:
+        return None
+    d_out, d_in = w_shape if layout == "out_in" else (w_shape[1], w_shape[0])
+    if last_dim(x) != d_in or last_dim(node) != d_out:
+        return None
+    bias_node = bias if isinstance(bias, fx.Node) else None
+    return Contraction(node, x, ph, int(d_in), int(d_out), bias_node, layout)
+
+
+# --- element-wise ops -----------------------------------------------------
+
+_UNARY_FN = {
+    F.silu, F.gelu, F.relu, F.leaky_relu, F.elu, F.mish, F.dropout, F.tanh, F.sigmoid,
+    torch.sigmoid, torch.tanh, torch.relu, torch._C._nn.gelu, torch.nn.functional.hardswish,
+    torch.clone, torch.neg,
+}  # fmt: skip
+_BINARY_FN = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+    torch.add, torch.sub, torch.mul, torch.div,
+}  # fmt: skip
+_UNARY_METHOD = {
+    "to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone",
+    "silu", "relu", "sigmoid", "tanh", "neg", "detach",
+}  # fmt: skip
+_BINARY_METHOD = {"add", "sub", "mul", "div", "__add__", "__mul__", "__sub__", "__truediv__"}
+_VIEW_METHOD = {"view", "reshape", "flatten", "unsqueeze"}
+
+
+def is_elementwise_on_last_dim(node: fx.Node) -> bool:
+    """True when every position of the output's last dim depends only on the
+    same position of the inputs' last dims (broadcast operands allowed).
+
+    Views that keep the last dimension (``x.view(-1, r)``) count too: they
+    move no data across it. Norms, softmax and reductions never do.
+    """
+    out = shape_of(node)
+    if not out:
+        return False
+    if node.op == "call_function":
+        if node.target in _UNARY_FN or node.target in _BINARY_FN:
+            return _operands_broadcast(node, out)
+        return False
+    if node.op == "call_method":
+        if node.target in _UNARY_METHOD or node.target in _BINARY_METHOD:
+            return _operands_broadcast(node, out)
+        if node.target in _VIEW_METHOD:
+            src = shape_of(node.args[0])
+            return bool(src) and src[-1] == out[-1]
+    return False
+
+
+def _operands_broadcast(node: fx.Node, out: tuple[Any, ...]) -> bool:
+    """Tensor operands must broadcast into ``out`` along the last dim (size 1 or equal)."""
+    for arg in (*node.args, *node.kwargs.values()):
+        if isinstance(arg, fx.Node) and (s := shape_of(arg)) is not None:
+            if s and s[-1] not in (1, out[-1]):
+                return False
+            if len(s) > len(out):
+                return False
+    return True
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]

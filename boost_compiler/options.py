@@ -1,0 +1,78 @@
+"""Backend options: what ``torch.compile(..., options={...})`` may contain.
+
+Every pass of :data:`boost_compiler.passes.PIPELINE` is an option under its
+own name (``True``/``False``, or one of the pass's ``allowed`` values). A few
+settings are not passes; they are listed in :data:`SETTINGS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import OptionTypeError, UnknownOptionError
+from .passes import PIPELINE
+
+
+@dataclass(frozen=True)
+class Setting:
+    types: tuple[type, ...]
+    default: Any
+    doc: str
+    choices: tuple[Any, ...] = ()
+
+
+SETTINGS: dict[str, Setting] = {
+    "lowering": Setting(
+        (str,), "inductor", "how the rewritten graph runs", choices=("inductor", "eager")
+    ),
+    "inductor_config": Setting((dict,), None, "extra Inductor config patches passed to compile_fx"),
+}
+
+
+@dataclass(frozen=True)
+class BoostOptions:
+    """Validated options: per-pass settings plus the non-pass settings."""
+
+    passes: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def enabled(self, name: str) -> bool:
+        return self.passes.get(name, False) is not False
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any] | None) -> BoostOptions:
+        """Check names and types; unknown names and wrong types raise naming the option."""
+        options = dict(options or {})
+        passes = {p.name: p for p in PIPELINE}
+        valid = sorted([*passes, *SETTINGS])
+        for name in options:
+            if name not in passes and name not in SETTINGS:
+                raise UnknownOptionError(
+                    f"unknown boost option {name!r}; valid options are: {', '.join(valid)}"
+                )
+        chosen: dict[str, Any] = {}
+        for name, p in passes.items():
+            value = options.get(name, p.default)
+            if not (isinstance(value, bool) or value in p.allowed):
+                accepted = " or ".join(["True/False", *map(repr, p.allowed)])
+                raise OptionTypeError(
+                    f"boost option {name!r} must be {accepted}, got {value!r} "
+                    f"({type(value).__name__})"
+                )
+            chosen[name] = value
+        settings: dict[str, Any] = {}
+        for name, s in SETTINGS.items():
+            value = options.get(name, s.default)
+            if value is not None and not isinstance(value, s.types):
+                raise OptionTypeError(
+                    f"boost option {name!r} ({s.doc}) must be "
+                    f"{' or '.join(t.__name__ for t in s.types)}, got {type(value).__name__}"
+                )
+            if s.choices and value not in s.choices:
+                raise OptionTypeError(
+                    f"boost option {name!r} must be one of {s.choices}, got {value!r}"
+                )
+            settings[name] = value
+        return cls(chosen, settings)

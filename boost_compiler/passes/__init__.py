@@ -1,0 +1,15 @@
+"""The boost pass pipeline, in the order the backend runs it.
+
+Each pass is one module here; its docstring states the invariant it keeps.
+A pass is switched off with ``torch.compile(m, backend="boost",
+options={"<name>": False})``.
+"""
+
+from __future__ import annotations
+
+from .base import BoostPass, PassContext
+from .detect_bottlenecks import DetectBottlenecks
+
+PIPELINE: tuple[type[BoostPass], ...] = (DetectBottlenecks,)
+
+__all__ = ["PIPELINE", "BoostPass", "PassContext", "DetectBottlenecks"]

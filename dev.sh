@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Set-up and run in one command, on a fresh machine or an existing checkout.
+#
+#   bash dev.sh demo [args]   # the main job (examples/demo.py)
+#   bash dev.sh test [args]   # the test suite (pytest)
+#
+# Creates ./.venv (or $BOOST_VENV), installs torch only if that environment has
+# none (the CPU wheel pinned by $BOOST_TORCH, default torch==2.13.0; GPU users
+# install their own torch 2.13 build into the venv first), then this package.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+VENV=${BOOST_VENV:-.venv}
+TORCH_SPEC=${BOOST_TORCH:-torch==2.13.0}
+PYTHON=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || { echo "dev.sh: Python >= 3.11 is needed ($PYTHON is $($PYTHON -V 2>&1))" >&2; exit 1; }
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+# pip's warnings about this machine's local package folders are noise; errors still show.
+pip_quiet() {
+  "$PY" -m pip install -q --disable-pip-version-check "$@" 2> >(grep -v '^WARNING: Location' >&2)
+}
+
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+  echo "dev.sh: installing $TORCH_SPEC into $VENV" >&2
+  pip_quiet "$TORCH_SPEC"
+fi
+# Reinstall the package only when its metadata changed (editable install).
+stamp="$VENV/.boost-installed"
+want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  pip_quiet -e ".[test]"
+  "$PY" -c 'import boost_compiler' && echo "$want" > "$stamp"
+fi
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  demo) exec "$PY" examples/demo.py "$@" ;;
+  test) exec "$PY" -m pytest -q "$@" ;;
+  *) echo "usage: bash dev.sh demo|test [args]" >&2; exit 2 ;;
+esac

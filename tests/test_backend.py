@@ -1,0 +1,115 @@
+"""The backend: registration by entry point, options, the no-bottleneck path."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from boost_compiler import BoostOptions, OptionTypeError, UnknownOptionError
+from boost_compiler.backend import boost_backend
+
+from .conftest import ROOT
+
+
+def _lowrank() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 8, bias=False), nn.SiLU(), nn.Linear(8, 32))
+
+
+def test_backend_found_by_name_in_fresh_interpreter() -> None:
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        from torch import nn
+        from torch._dynamo.utils import counters
+        m = nn.Sequential(nn.Linear(32, 8, bias=False), nn.SiLU(), nn.Linear(8, 32))
+        x = torch.randn(3, 32)
+        assert "boost_compiler" not in sys.modules
+        y = torch.compile(m, backend="boost", options={"lowering": "eager"})(x)
+        torch.testing.assert_close(y, m(x))
+        print("graphs", counters["boost"]["graphs"], "bottlenecks", counters["boost"]["bottlenecks"])
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "graphs 1 bottlenecks 1" in out.stdout
+
+
+def test_unknown_option_names_it_and_lists_valid_ones() -> None:
+    with pytest.raises(UnknownOptionError, match="'detect_bottleneck'.*detect_bottlenecks"):
+        BoostOptions.parse({"detect_bottleneck": False})
+    m = torch.compile(_lowrank(), backend="boost", options={"no_such_pass": True})
+    with pytest.raises(Exception, match="no_such_pass"):
+        m(torch.randn(2, 32))
+
+
+def test_wrong_option_type_names_it() -> None:
+    with pytest.raises(OptionTypeError, match="'detect_bottlenecks'.*'yes'"):
+        BoostOptions.parse({"detect_bottlenecks": "yes"})
+    with pytest.raises(OptionTypeError, match="'lowering'.*'tvm'"):
+        BoostOptions.parse({"lowering": "tvm"})
+    with pytest.raises(OptionTypeError, match="'inductor_config'"):
+        BoostOptions.parse({"inductor_config": ["max_autotune"]})
+
+
+def _compile_and_graph(options: dict) -> torch.fx.GraphModule:
+    """Run the boost backend inside torch.compile and return the graph it rewrote."""
+    seen: list[torch.fx.GraphModule] = []
+
+    def spy(gm, inputs):
+        boost_backend(gm, inputs, options=options)
+        seen.append(gm)
+        return gm.forward
+
+    torch.compile(_lowrank(), backend=spy)(torch.randn(2, 32))
+    return seen[0]
+
+
+def test_pass_switched_off_by_name(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="boost_compiler"):
+        gm = _compile_and_graph({"lowering": "eager"})
+    assert "1 bottleneck" in caplog.text
+    assert any(n.meta.get("boost", {}).get("role") == "down" for n in gm.graph.nodes)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="boost_compiler"):
+        gm = _compile_and_graph({"lowering": "eager", "detect_bottlenecks": False})
+    assert "bottleneck" not in caplog.text
+    assert not any("boost" in n.meta for n in gm.graph.nodes)
+
+
+def test_dense_model_compiles_as_plain_inductor(caplog: pytest.LogCaptureFixture) -> None:
+    dense = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(4, 16)
+    with caplog.at_level(logging.INFO, logger="boost_compiler"):
+        y = torch.compile(dense, backend="boost")(x)
+    torch.testing.assert_close(y, dense(x), rtol=1e-5, atol=1e-6)
+    lines = [r.getMessage() for r in caplog.records if "no bottleneck" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+
+
+def test_pass_uuid_covers_setting_and_analysis() -> None:
+    from boost_compiler.passes import DetectBottlenecks, PassContext
+
+    a = DetectBottlenecks(PassContext(), True).uuid()
+    assert a == DetectBottlenecks(PassContext(), True).uuid()
+    assert a != DetectBottlenecks(PassContext(param_names={"w": "0.weight"}), True).uuid()
+    assert a != DetectBottlenecks(PassContext(), "other").uuid()
+
+
+def test_readme_names_the_ci_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci in (ROOT / "README.md").read_text()
