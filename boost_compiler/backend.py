@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ._logging import get_logger
 from .capture import placeholder_names
+from .errors import OptionTypeError
 from .options import BoostOptions
 from .passes import PIPELINE, BoostPass, PassContext
 from .passes.base import _digest
@@ -77,6 +78,15 @@ def boost_backend(
     opts = BoostOptions.parse(options)
     params, _ = placeholder_names(gm, example_inputs)
     ctx = PassContext(param_names=params)
+    shards = {i: x for i, x in enumerate(example_inputs) if hasattr(x, "_boost_local")}
+    if shards:
+        if not (opts.enabled("btp") and opts.enabled("detect_bottlenecks")):
+            raise OptionTypeError(
+                "this model was prepared by boost_compiler.parallelize: the 'btp' and "
+                "'detect_bottlenecks' passes cannot be switched off for it"
+            )
+        ctx.tp = next(iter(shards.values()))._boost_group
+        ctx.fixed = {x._boost_fqn: x._boost_placement for x in shards.values()}
     ran = run_pipeline(gm, ctx, opts)
     counters["boost"]["graphs"] += 1
     counters["boost"]["bottlenecks"] += len(ctx.bottlenecks)
@@ -85,9 +95,34 @@ def boost_backend(
         len(gm.graph.nodes),
         ", ".join(p.name for p in ran),
     )
+    if not shards:
+        if opts.settings["lowering"] == "eager":
+            return gm.forward
+        return _lower_with_inductor(gm, list(example_inputs), ran, opts, mode)
+    # A parallelized model: run the rewritten graph on the real local shards in
+    # place of the global-shape placeholders dynamo traced with.
+    local_inputs = [x._boost_local if i in shards else x for i, x in enumerate(example_inputs)]
     if opts.settings["lowering"] == "eager":
-        return gm.forward
-    return _lower_with_inductor(gm, list(example_inputs), ran, opts, mode)
+        fn: Callable[..., Any] = gm.forward
+    else:
+        fn = _lower_with_inductor(gm, local_inputs, ran, opts, mode)
+    return _with_local_shards(fn, {i: x._boost_local for i, x in shards.items()})
+
+
+def _with_local_shards(fn: Callable[..., Any], local: dict[int, Any]) -> Callable[..., Any]:
+    def swap(args: Sequence[Any]) -> list[Any]:
+        return [local.get(i, a) for i, a in enumerate(args)]
+
+    if getattr(fn, "_boxed_call", False):
+
+        def boxed(args: list[Any]) -> Any:
+            new = swap(args)
+            args.clear()
+            return fn(new)
+
+        boxed._boxed_call = True  # type: ignore[attr-defined]
+        return boxed
+    return lambda *args: fn(*swap(args))
 
 
 def _lower_with_inductor(

@@ -90,6 +90,9 @@ def placeholder_names(
             continue
         if not isinstance(value, torch.Tensor):
             continue
+        if hasattr(value, "_boost_fqn"):  # a parallelized model's global-shape placeholder
+            params[node.name] = value._boost_fqn
+            continue
         grapharg = node.meta.get("grapharg")
         source = getattr(grapharg, "source", None)
         fqn = fqn_from_source(source.name) if source is not None else None

@@ -8,8 +8,9 @@ options={"<name>": False})``.
 from __future__ import annotations
 
 from .base import BoostPass, PassContext
+from .btp import BottleneckTP
 from .detect_bottlenecks import DetectBottlenecks
 
-PIPELINE: tuple[type[BoostPass], ...] = (DetectBottlenecks,)
+PIPELINE: tuple[type[BoostPass], ...] = (DetectBottlenecks, BottleneckTP)
 
-__all__ = ["PIPELINE", "BoostPass", "PassContext", "DetectBottlenecks"]
+__all__ = ["PIPELINE", "BoostPass", "BottleneckTP", "PassContext", "DetectBottlenecks"]

@@ -35,10 +35,18 @@ class PassContext:
     param_names: dict[str, str] = field(default_factory=dict)
     bottlenecks: list[Bottleneck] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
+    # Set for a model prepared by ``parallelize``: its group and parameter placements.
+    tp: Any = None
+    fixed: dict[str, Any] = field(default_factory=dict)
 
     def signature(self) -> str:
         """A stable digest of the analysis results, folded into pass uuids."""
-        return _digest(repr(sorted(self.param_names.items())), repr(self.bottlenecks))
+        return _digest(
+            repr(sorted(self.param_names.items())),
+            repr(self.bottlenecks),
+            repr(self.tp),
+            repr(sorted((k, str(v)) for k, v in self.fixed.items())),
+        )
 
 
 class BoostPass(CustomGraphPass):

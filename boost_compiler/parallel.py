@@ -1,0 +1,180 @@
+"""``parallelize``: make a single-device model bottleneck-aware tensor-parallel.
+
+How a model written for one device runs on shards: its parameters are
+replaced by real local shards (what the optimizer trains), and its forward by
+a dynamo-compiled *shadow*: a copy of the module tree whose parameters are
+stride-0 NaN placeholders with the GLOBAL shapes. Dynamo therefore traces the
+user's code exactly as written (``view(b, s, self.n_heads, ...)`` sees the
+global sizes), guards and recompiles for new shapes, kwargs and train/eval as
+for any model, and hands each graph to the boost backend, which rewrites it to
+local shapes with the collectives of BOOST and calls it with the real shards
+in place of the placeholders. The placeholders hold no memory and are NaN so
+that a graph which bypassed the rewrite could not silently produce numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._logging import get_logger
+from .capture import capture
+from .collectives import group_name_of
+from .detect import find_bottlenecks
+from .errors import MeshError
+from .placement import Placement, R
+from .plan import TPPlan
+from .sharding import ShardingPropagator
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    name: str
+    size: int
+    rank: int
+
+
+def resolve_group(mesh_or_group: Any) -> TPGroup:
+    """A 1-D DeviceMesh or a ProcessGroup -> name, size, this rank's index."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim != 1:
+            raise MeshError(
+                f"parallelize needs a 1-D tensor-parallel mesh, got a {mesh_or_group.ndim}-D "
+                f"mesh with dims {mesh_or_group.mesh_dim_names}; pass mesh['tp']"
+            )
+        pg = mesh_or_group.get_group()
+    elif isinstance(mesh_or_group, dist.ProcessGroup):
+        pg = mesh_or_group
+    else:
+        raise MeshError(
+            f"parallelize takes a 1-D DeviceMesh or a ProcessGroup, got {type(mesh_or_group)!r}"
+        )
+    return TPGroup(group_name_of(pg), dist.get_world_size(pg), dist.get_rank(pg))
+
+
+def local_shard(t: torch.Tensor, placement: Placement, group: TPGroup) -> torch.Tensor:
+    if not placement.is_shard:
+        return t.detach().clone()
+    return t.detach().chunk(group.size, dim=placement.dim)[group.rank].clone()
+
+
+def parallelize(
+    model: nn.Module,
+    tp_mesh: Any,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """Shard ``model`` over ``tp_mesh`` at the narrow point of every bottleneck.
+
+    Returns the same module, its parameters now this rank's shards, its plan in
+    ``model.boost_plan``. The forward keeps its signature; use it eagerly or
+    with ``torch.compile(model, backend="boost")``. Example (run under
+    ``torchrun --nproc-per-node 2``)::
+
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        import boost_compiler
+        from examples.cola_llama import build, example_inputs
+
+        dist.init_process_group("gloo")
+        model = build("tiny")
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        boost_compiler.parallelize(model, mesh, example_inputs(model.cfg))
+        loss = model(*example_inputs(model.cfg), labels=example_inputs(model.cfg)[0])
+    """
+    group = resolve_group(tp_mesh)
+    graphs = capture(model, tuple(example_inputs), example_kwargs)
+
+    plan = TPPlan(p=group.size, group=group.name)
+    for g in graphs:
+        bottlenecks = find_bottlenecks(g.gm, g.param_names)
+        result = ShardingPropagator(
+            g.gm, g.param_names, bottlenecks, group.size, group.name, fixed=plan.params
+        ).run()
+        plan.params.update(result.params)
+        plan.bottlenecks += bottlenecks
+        plan.collectives += result.collectives
+        plan.fallbacks += result.fallbacks
+    # Every check above ran on the captured copy: nothing was modified before here.
+    _shard_in_place(model, plan, group)
+    log.info(
+        "parallelized %s over tp=%d: %d bottleneck(s), %d sharded parameter(s)",
+        type(model).__name__,
+        group.size,
+        len(plan.bottlenecks),
+        sum(pl.is_shard for pl in plan.params.values()),
+    )
+    model.boost_plan = plan  # type: ignore[assignment]
+    return model
+
+
+def _shard_in_place(model: nn.Module, plan: TPPlan, group: TPGroup) -> None:
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    first_name: dict[int, str] = {}
+    params: dict[int, nn.Parameter] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for name, prm in mod._parameters.items():
+            if prm is None:
+                continue
+            owners.setdefault(id(prm), []).append((mod, name))
+            first_name.setdefault(id(prm), f"{mod_name}.{name}" if mod_name else name)
+            params[id(prm)] = prm
+
+    memo: dict[int, Any] = {id(b): b for b in model.buffers()}
+    for key, prm in params.items():
+        fqn = first_name[key]
+        placement = plan.params.setdefault(fqn, R)
+        plan.param_shapes[fqn] = tuple(prm.shape)
+        local = nn.Parameter(local_shard(prm, placement, group), prm.requires_grad)
+        placeholder = nn.Parameter(
+            torch.full((), float("nan"), dtype=prm.dtype, device=prm.device).expand(prm.shape),
+            prm.requires_grad,
+        )
+        placeholder._boost_local = local  # type: ignore[attr-defined]
+        placeholder._boost_fqn = fqn  # type: ignore[attr-defined]
+        placeholder._boost_placement = placement  # type: ignore[attr-defined]
+        placeholder._boost_group = group  # type: ignore[attr-defined]
+        memo[key] = placeholder
+        params[key] = local
+    shadow = copy.deepcopy(model, memo)
+    for key, local in params.items():
+        for mod, name in owners[key]:
+            mod._parameters[name] = local
+
+    model.forward = _ShadowForward(shadow)  # type: ignore[method-assign]
+    train = model.train
+
+    def train_both(mode: bool = True) -> nn.Module:
+        shadow.train(mode)
+        return train(mode)
+
+    model.train = train_both  # type: ignore[method-assign]
+
+
+class _ShadowForward:
+    """The parallelized model's forward: the shadow, through the boost backend."""
+
+    def __init__(self, shadow: nn.Module) -> None:
+        from .backend import boost_backend
+
+        self.shadow = shadow
+        backend = functools.partial(boost_backend, options={"lowering": "eager"})
+        self.eager = torch.compile(shadow, backend=backend, dynamic=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Inside the user's torch.compile(model, backend="boost"): trace the shadow
+            # inline; the outer backend sees the placeholders and applies the rewrite.
+            return self.shadow(*args, **kwargs)
+        return self.eager(*args, **kwargs)

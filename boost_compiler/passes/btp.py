@@ -1,0 +1,43 @@
+"""Pass ``btp``: bottleneck-aware tensor parallelism (BOOST.md), on a parallelized model.
+
+Invariant: for a graph of a model prepared by ``parallelize`` (its parameter
+placeholders carry their placements), the rewritten graph computes, on each
+rank, that rank's part of the single-device result, and its outputs are the
+full single-device outputs; gradients reaching each local shard are that
+shard's part of the single-device gradient. Down factors are row-parallel
+(one all-reduce of ``[..., r]`` forward, none backward), up factors column-
+parallel (none forward, one all-reduce of ``[..., r]`` backward); everything
+between an up factor and the next down factor runs on hidden-dim shards.
+On a model that was not parallelized the pass changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .._logging import get_logger
+from ..sharding import ShardingPropagator
+from .base import BoostPass
+
+log = get_logger(__name__)
+
+
+class BottleneckTP(BoostPass):
+    name = "btp"
+
+    def run(self, graph: fx.Graph) -> None:
+        tp = self.ctx.tp
+        if tp is None:
+            return
+        gm = graph.owning_module
+        assert gm is not None
+        result = ShardingPropagator(
+            gm, self.ctx.param_names, self.ctx.bottlenecks, tp.size, tp.name, self.ctx.fixed
+        ).run()
+        self.ctx.notes["btp"] = result
+        fwd = sum(c.forward for c in result.collectives)
+        bwd = sum(c.backward for c in result.collectives)
+        log.info(
+            "btp: tp=%d, %d forward / %d backward collective(s), %d fallback(s)",
+            tp.size, fwd, bwd, len(result.fallbacks),
+        )

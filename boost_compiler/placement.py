@@ -1,0 +1,114 @@
+"""Placements of a tensor over the tensor-parallel group, and how views move them.
+
+``R`` replicated (every rank holds the full, identical value), ``S(d)`` sharded
+in contiguous blocks along dim ``d`` (rank i holds block i), ``P`` partial (the
+value is the sum of the ranks' tensors). The same vocabulary as DTensor's
+Replicate/Shard/Partial; DTensor itself is not used because the placements here
+are decided per FX node by the compiler, and the graph stays plain tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Placement:
+    kind: str  # "R", "S" or "P"
+    dim: int = -1  # for "S": a non-negative dim
+
+    def __str__(self) -> str:
+        return f"S({self.dim})" if self.kind == "S" else self.kind
+
+    @property
+    def is_shard(self) -> bool:
+        return self.kind == "S"
+
+
+R = Placement("R")
+P = Placement("P")
+
+
+def S(dim: int) -> Placement:
+    return Placement("S", dim)
+
+
+def view_groups(src: Sequence[Any], dst: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of source dims with runs of destination dims of equal numel.
+
+    ``[2, 8, 64] -> [2, 8, 4, 16]`` gives ``[([0],[0]), ([1],[1]), ([2],[2,3])]``.
+    Size-1 dims attach to the neighbouring group. Symbolic sizes compare by
+    identity of their product, which is all a view can rely on either.
+    """
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        gi, gj = [], []
+        pi = pj = 1
+        while True:
+            if pi == pj and gi and gj:
+                # absorb trailing size-1 dims into this group
+                while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+                    gi.append(i)
+                    i += 1
+                while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+                    gj.append(j)
+                    j += 1
+                break
+            if (pi <= pj or j >= len(dst)) and i < len(src):
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            elif j < len(dst):
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+            else:
+                break
+        if not gi and not gj:
+            break
+        groups.append((gi, gj))
+    return groups
+
+
+def shard_through_view(
+    src: Sequence[Any], dst: Sequence[Any], dim: int, p: int
+) -> tuple[int, int] | None:
+    """Where a shard on ``src[dim]`` lands after viewing ``src`` as ``dst``.
+
+    Returns ``(dst_dim, divisor)``: the destination dim that is sharded and
+    the size that must divide by ``p``, or None when the view mixes the
+    sharded dim with others in a way contiguous blocks cannot follow (then the
+    caller gathers). A block shard survives a view when the sharded dim is
+    the leading dim of its group (its blocks stay contiguous) and the
+    destination's leading dim of that group divides by ``p``.
+    """
+    for gi, gj in view_groups(src, dst):
+        if dim not in gi:
+            continue
+        core_i = [d for d in gi if src[d] != 1]
+        core_j = [d for d in gj if dst[d] != 1]
+        if not core_i or core_i[0] != dim or not core_j:
+            return None
+        lead = core_j[0]
+        if len(core_i) == 1:
+            # split (or identity): [64] -> [4, 16]; shard follows the leading dim
+            if _static(dst[lead]) and dst[lead] % p == 0:
+                return lead, dst[lead]
+            return None
+        # merge: [4, 16] -> [64]; the leading src dim is sharded, so blocks stay whole
+        if len(core_j) == 1 and _static(src[dim]) and src[dim] % p == 0:
+            return lead, src[dim]
+        return None
+    return None
+
+
+def _static(x: Any) -> bool:
+    return isinstance(x, int)
+
+
+def numel(shape: Sequence[Any]) -> Any:
+    return math.prod(shape)
