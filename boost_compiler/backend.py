@@ -113,15 +113,7 @@ def _with_local_shards(fn: Callable[..., Any], local: dict[int, Any]) -> Callabl
     def swap(args: Sequence[Any]) -> list[Any]:
         return [local.get(i, a) for i, a in enumerate(args)]
 
-    if getattr(fn, "_boxed_call", False):
-
-        def boxed(args: list[Any]) -> Any:
-            new = swap(args)
-            args.clear()
-            return fn(new)
-
-        boxed._boxed_call = True  # type: ignore[attr-defined]
-        return boxed
+    # dynamo calls a backend's result positionally (compile_fx's result included).
     return lambda *args: fn(*swap(args))
 
 

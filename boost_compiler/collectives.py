@@ -90,6 +90,16 @@ def _group_size(group: str) -> int:
     return dist.distributed_c10d._resolve_process_group(group).size()
 
 
+def _rank_and_size(group: str, rank: int | None, world_size: int | None) -> tuple[int, int]:
+    actual = (_group_rank(group), _group_size(group))
+    if (rank, world_size) != (None, None) and (rank, world_size) != actual:
+        raise ValueError(
+            f"group {group!r}: this process is rank {actual[0]} of {actual[1]}, "
+            f"the graph was built for rank={rank}, world_size={world_size}"
+        )
+    return actual
+
+
 # ----------------------------------------------------------------------------
 # raw collectives (no autograd semantics of their own are relied upon)
 # ----------------------------------------------------------------------------
@@ -209,7 +219,13 @@ def all_reduce_sum(x: torch.Tensor, group: str) -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
 
 
-def gather_from_tp(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def gather_from_tp(
+    x: torch.Tensor,
+    dim: int,
+    group: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> torch.Tensor:
     """Forward all-gather along ``dim`` (shards concatenated in rank order);
     backward this rank's slice of the gradient, no communication.
 
@@ -217,19 +233,32 @@ def gather_from_tp(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     the final norm / LM head). Exact because the consumer is replicated: every
     rank holds the same full ``dL/dy`` and ``dL/dx_r`` is its block ``r``.
     (Funcol's own formula, a reduce-scatter, would scale by the world size.)
+
+    ``rank`` / ``world_size`` are optional and only checked against the group:
+    :func:`mark_aot_cacheable` writes them into the FX node so that the graph
+    text, hence AOTAutograd's cache key, differs per rank.
     """
-    return _GatherFromTP.apply(x, dim, group, _group_rank(group), _group_size(group))
+    rank, world = _rank_and_size(group, rank, world_size)
+    return _GatherFromTP.apply(x, dim, group, rank, world)
 
 
-def scatter_to_tp(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def scatter_to_tp(
+    x: torch.Tensor,
+    dim: int,
+    group: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> torch.Tensor:
     """Forward this rank's slice along ``dim`` (no communication); backward
     all-gather of the gradient along ``dim``.
 
     Use where a replicated tensor is split into rank shards (the inverse of
     :func:`gather_from_tp`). Exact: ``x`` is replicated, its gradient is the
     concatenation of the shard gradients, which each rank holds one block of.
+    ``rank`` / ``world_size``: as for :func:`gather_from_tp`.
     """
-    return _ScatterToTP.apply(x, dim, group, _group_rank(group), _group_size(group))
+    rank, world = _rank_and_size(group, rank, world_size)
+    return _ScatterToTP.apply(x, dim, group, rank, world)
 
 
 # ----------------------------------------------------------------------------
@@ -249,25 +278,33 @@ def mark_aot_cacheable(node: torch.fx.Node) -> torch.fx.Node:
     AOTAutograd bypasses its cache for any call_function target that is not a
     torch op or public torch function (``Unsupported call_function target``).
     A node with ``meta["is_wrapped"]`` (what ``torch.fx.wrap`` sets) and a
-    ``meta["user_cache_hash"]`` is accepted and the hash joins the cache key.
+    ``meta["user_cache_hash"]`` is accepted. In torch 2.13 that hash is only a
+    permission: it does NOT enter the cache key (only saved-tensor-hook graphs
+    fold it in). The key is the dynamo graph's code text plus configs, so:
 
-    The hash covers :data:`CACHE_HASH` (this file, torch version) AND this
-    process's rank in every group the node names: :func:`gather_from_tp` and
-    :func:`scatter_to_tp` bake the rank into the traced graph while the dynamo
-    graph (the AOT cache key) is identical on all ranks, so without the rank a
-    warm cache hands rank 0 the artifact that rank 1 compiled (observed).
+    * rank-dependent tracing must show in the node's arguments. The dynamo graph
+      is identical on all ranks while :func:`gather_from_tp` / :func:`scatter_to_tp`
+      bake the rank (and world size) into the traced graph; without them in the
+      text, a warm cache handed rank 0 the artifact rank 1 compiled (observed).
+      This function writes ``rank=`` and ``world_size=`` kwargs into such nodes.
+    * a change to this file does not invalidate AOT cache entries by itself:
+      fold :data:`CACHE_HASH` into the ``uuid()`` of the compiler's
+      ``CustomGraphPass`` (custom-pass uuids are part of the key).
 
     The inserted node also needs ``meta["example_value"]`` (a fake tensor) when
     a ``call_method`` node consumes it, else the cache is bypassed for that user.
     Side effect: the generated code calls ``torch.fx.wrap`` on the function name
     at import, which only matters to a later ``fx.symbolic_trace`` of that module.
     """
-    ranks = [(dist.get_rank(), dist.get_world_size())] if dist.is_initialized() else []
-    for arg in node.args:
-        if isinstance(arg, str):
-            ranks.append((arg, _group_rank(arg), _group_size(arg)))
+    if node.target in (gather_from_tp, scatter_to_tp):
+        group = node.args[2] if len(node.args) > 2 else node.kwargs["group"]
+        node.kwargs = {
+            **node.kwargs,
+            "rank": _group_rank(group),
+            "world_size": _group_size(group),
+        }
     node.meta["is_wrapped"] = True
-    node.meta["user_cache_hash"] = f"{CACHE_HASH}:{ranks}"
+    node.meta["user_cache_hash"] = CACHE_HASH
     return node
 
 
