@@ -15,6 +15,20 @@ collectives as ordinary ``_c10d_functional`` nodes (no opaque custom op, no
 higher-order op). Inductor then lowers them like any other functional
 collective (in-place ``all_reduce_`` on a buffer, bucketing, reordering).
 
+Why ``autograd.Function`` (measured on torch 2.13, CPU, gloo and fake group):
+
+* the detach trick for g (``ar(x.detach()) + (x - x.detach())``) also gives plain
+  nodes, but leaves ``detach, sub, add`` in the forward graph, and turns an
+  ``inf`` in ``x`` into ``nan``; f has no such trick without a forward collective.
+* ``torch.library.custom_op`` + ``register_autograd`` shows a named, opaque
+  node in the forward graph (the collective hidden inside it) and forces a
+  copy for f, whose output may not alias its input.
+* user code calling a primitive under ``torch.compile`` gets a
+  ``higher_order.autograd_function_apply`` node in the *dynamo* graph (the
+  collective inside ``fwd_body``/``bwd_body``); AOT inlines it, so the AOT and
+  Inductor graphs again hold plain collectives, but AOTAutograd's cache is
+  bypassed for such graphs. Nodes inserted by the compiler see none of this.
+
 Gradient conventions (Megatron): a tensor is either *replicated* (every rank
 holds the same value and computes the same thing from it) or *rank-varying*
 (sharded or a partial sum). The loss is replicated, so the gradient of a
@@ -267,9 +281,9 @@ def scatter_to_tp(
 
 #: Hash of this module's source and the torch version: what an inserted node's
 #: behaviour depends on beyond its graph arguments.
-CACHE_HASH = hashlib.sha256(Path(__file__).read_bytes() + torch.__version__.encode()).hexdigest()[
-    :32
-]
+CACHE_HASH: str = hashlib.sha256(
+    Path(__file__).read_bytes() + torch.__version__.encode()
+).hexdigest()[:32]
 
 
 def mark_aot_cacheable(node: torch.fx.Node) -> torch.fx.Node:
@@ -317,9 +331,10 @@ def mark_aot_cacheable(node: torch.fx.Node) -> torch.fx.Node:
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[str]:
     """Initialise torch's fake process group in this process; yields its name.
 
-    Collectives on it do no communication (all-reduce returns its input, etc.),
-    but every primitive above runs eagerly and traces through dynamo, AOT and
-    Inductor, so graph-structure tests need no second process. The group is
+    Collectives on it do no communication and their values are not those of a
+    real group (all-reduce leaves its input as is), but every primitive above
+    runs eagerly and traces through dynamo, AOT and Inductor with the world size
+    given, so graph-structure tests need no second process. The group is
     destroyed on exit. Fails if a default group already exists.
     """
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -100,7 +100,7 @@ def parallelize(
     for g in graphs:
         bottlenecks = find_bottlenecks(g.gm, g.param_names)
         result = ShardingPropagator(
-            g.gm, g.param_names, bottlenecks, group.size, group.name, fixed=plan.params
+            g.gm, g.param_names, bottlenecks, group.size, group.name, group.rank, plan.params
         ).run()
         plan.params.update(result.params)
         plan.bottlenecks += bottlenecks

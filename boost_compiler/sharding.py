@@ -88,10 +88,14 @@ class ShardingPropagator:
         bottlenecks: list[Bottleneck],
         p: int,
         group: str,
+        rank: int,
         fixed: dict[str, Placement] | None = None,
     ) -> None:
         self.gm, self.graph = gm, gm.graph
         self.param_names, self.p, self.group = param_names, p, group
+        # The rank is written into rank-dependent nodes (gather/scatter slice by
+        # it) so the graph text, hence the AOTAutograd cache key, differs per rank.
+        self.rank = rank
         self.fixed = dict(fixed or {})
         self.role: dict[str, str] = {}
         for b in bottlenecks:
@@ -177,7 +181,9 @@ class ShardingPropagator:
                     new = self.graph.call_function(C.reduce_from_tp, (arg, self.group))
                     kind = "all_reduce"
                 else:
-                    new = self.graph.call_function(C.gather_from_tp, (arg, pl.dim, self.group))
+                    new = self.graph.call_function(
+                        C.gather_from_tp, (arg, pl.dim, self.group, self.rank, self.p)
+                    )
                     kind = "all_gather"
             new.meta["example_value"] = value_of(arg)
             self.env[new] = R
@@ -194,7 +200,9 @@ class ShardingPropagator:
         key = (arg, S(dim))
         if key not in self.converted:
             with self.graph.inserting_after(arg):
-                new = self.graph.call_function(C.scatter_to_tp, (arg, dim, self.group))
+                new = self.graph.call_function(
+                    C.scatter_to_tp, (arg, dim, self.group, self.rank, self.p)
+                )
             self.env[new] = S(dim)
             self.converted[key] = new
             if _requires_grad(arg):
@@ -533,7 +541,11 @@ class ShardingPropagator:
         if not pl.is_shard:
             return self._call_replicated(node, pl)
         nd = len(shape_of(x))
-        dims = None if dim is None else {d % nd for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
+        dims = (
+            None
+            if dim is None
+            else {d % nd for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
+        )
         if dims != {pl.dim}:
             return self._fallback(node)
         keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
@@ -580,5 +592,7 @@ def _requires_grad(node: fx.Node) -> bool:
 def _describe(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     where = next(reversed(stack.values()))[0] if stack else ""
-    what = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
+    what = (
+        node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
+    )
     return f"op {what!r} (node {node.name}{', in ' + where if where else ''})"

@@ -12,8 +12,8 @@ stale from a warm cache (see TORCH_NOTES).
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
-import sys
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -59,6 +59,8 @@ class BoostPass(CustomGraphPass):
     name: ClassVar[str]
     default: ClassVar[Any] = True
     allowed: ClassVar[tuple[Any, ...]] = ()
+    # Modules whose code decides what the pass produces, besides the pass's own.
+    depends_on: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: PassContext, setting: Any = True) -> None:
         self.ctx = ctx
@@ -73,10 +75,10 @@ class BoostPass(CustomGraphPass):
         return graph
 
     def uuid(self) -> str:
-        module = sys.modules[type(self).__module__]
+        modules = [type(self).__module__, *self.depends_on]
         return _digest(
             type(self).__qualname__,
-            inspect.getsource(module),
+            *(inspect.getsource(importlib.import_module(m)) for m in modules),
             repr(self.setting),
             self.ctx.signature(),
         )

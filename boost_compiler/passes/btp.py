@@ -24,6 +24,8 @@ log = get_logger(__name__)
 
 class BottleneckTP(BoostPass):
     name = "btp"
+    # The rewritten graph calls into these by name: their code is part of the result.
+    depends_on = ("boost_compiler.sharding", "boost_compiler.tp_ops", "boost_compiler.collectives")
 
     def run(self, graph: fx.Graph) -> None:
         tp = self.ctx.tp
@@ -32,12 +34,21 @@ class BottleneckTP(BoostPass):
         gm = graph.owning_module
         assert gm is not None
         result = ShardingPropagator(
-            gm, self.ctx.param_names, self.ctx.bottlenecks, tp.size, tp.name, self.ctx.fixed
+            gm,
+            self.ctx.param_names,
+            self.ctx.bottlenecks,
+            tp.size,
+            tp.name,
+            tp.rank,
+            self.ctx.fixed,
         ).run()
         self.ctx.notes["btp"] = result
         fwd = sum(c.forward for c in result.collectives)
         bwd = sum(c.backward for c in result.collectives)
         log.info(
             "btp: tp=%d, %d forward / %d backward collective(s), %d fallback(s)",
-            tp.size, fwd, bwd, len(result.fallbacks),
+            tp.size,
+            fwd,
+            bwd,
+            len(result.fallbacks),
         )
