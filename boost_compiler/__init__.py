@@ -33,6 +33,9 @@ from .errors import (
     UnknownOptionError,
 )
 from .options import BoostOptions
+from .parallel import parallelize
+from .placement import Placement
+from .plan import TPPlan
 from .report import bottleneck_table
 
 __version__ = "0.1.0"
@@ -46,10 +49,13 @@ __all__ = [
     "MeshError",
     "OptionError",
     "OptionTypeError",
+    "Placement",
     "ShardingError",
+    "TPPlan",
     "UnknownOptionError",
     "boost_backend",
     "bottleneck_table",
     "capture",
     "detect",
+    "parallelize",
 ]

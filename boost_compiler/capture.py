@@ -126,7 +126,9 @@ def capture(
     kwargs = dict(example_kwargs or {})
     # Capture must not be cut short by the recompile limit when many models of
     # one class are analysed in one process (dynamo caches per code object).
-    with torch._dynamo.config.patch(recompile_limit=10_000, accumulated_recompile_limit=100_000):
+    with torch._dynamo.config.patch(
+        recompile_limit=10_000, accumulated_recompile_limit=100_000, fail_on_recompile_limit_hit=True
+    ):
         compiled = torch.compile(model, backend=record, dynamic=False)
         try:
             compiled(*example_inputs, **kwargs)

@@ -177,4 +177,10 @@ class _ShadowForward:
             # Inside the user's torch.compile(model, backend="boost"): trace the shadow
             # inline; the outer backend sees the placeholders and applies the rewrite.
             return self.shadow(*args, **kwargs)
-        return self.eager(*args, **kwargs)
+        # Each new input shape recompiles (static shapes keep the rewrite simple).
+        # Dynamo's default is to fall back to running the Python code after 8
+        # recompiles: here that would run the NaN placeholders, so raise instead.
+        with torch._dynamo.config.patch(
+            recompile_limit=256, accumulated_recompile_limit=4096, fail_on_recompile_limit_hit=True
+        ):
+            return self.eager(*args, **kwargs)

@@ -1,0 +1,145 @@
+"""Multi-process harness: one gloo group per test module, results back as JSON.
+
+``run_world(world, checks)`` spawns ``world`` CPU processes once; each runs
+every named check (functions of this module taking ``(rank, world, mesh)``)
+and rank 0's results (plus failures from any rank) come back to the test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RTOL = 1e-5
+
+
+def _gathered_grad(prm: torch.Tensor, placement: Any, world: int) -> torch.Tensor:
+    if not placement.is_shard:
+        return prm.grad
+    parts = [torch.empty_like(prm.grad) for _ in range(world)]
+    dist.all_gather(parts, prm.grad.contiguous())
+    return torch.cat(parts, placement.dim)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def compare_training(
+    maker: str, compiled: bool, *, world: int, mesh: Any, steps: int = 3, lr: float = 0.1
+) -> dict[str, Any]:
+    """SGD steps of the parallelized model vs the single-device model, same data."""
+    import boost_compiler
+    from tests import models
+
+    model, inputs = getattr(models, maker)()
+    ref = copy.deepcopy(model)
+    takes_labels = hasattr(model, "cfg")
+    kw = {"labels": inputs[0]} if takes_labels else {}
+    boost_compiler.parallelize(model, mesh, inputs, kw or None)
+    plan = model.boost_plan
+    run = torch.compile(model, backend="boost") if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
+    losses, ref_losses, grad_err = [], [], 0.0
+    for _ in range(steps):
+        out, out_ref = run(*inputs, **kw), ref(*inputs, **kw)
+        loss = out if out.dim() == 0 else out.float().pow(2).mean()
+        loss_ref = out_ref if out_ref.dim() == 0 else out_ref.float().pow(2).mean()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        loss.backward()
+        loss_ref.backward()
+        for (name, prm), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+            grad_err = max(grad_err, _rel(_gathered_grad(prm, plan.params[name], world), q.grad))
+        opt.step()
+        opt_ref.step()
+        losses.append(loss.item())
+        ref_losses.append(loss_ref.item())
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+        "grad_err": grad_err,
+        "fallbacks": plan.fallbacks,
+    }
+
+
+def other_shapes_and_kwargs(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Parallelize with one example, then call with other batch/seq sizes, labels, eval."""
+    import boost_compiler
+    from examples.cola_llama import build, example_inputs
+
+    model = build("tiny", seed=1)
+    ref = copy.deepcopy(model)
+    cfg = model.cfg
+    boost_compiler.parallelize(model, mesh, example_inputs(cfg, batch=2, seq=16))
+    errs = {}
+    for name, (b, s) in {"batch3": (3, 16), "seq24": (2, 24), "b1s8": (1, 8)}.items():
+        (ids,) = example_inputs(cfg, batch=b, seq=s, seed=b * 100 + s)
+        errs[name] = _rel(model(ids), ref(ids))
+    (ids,) = example_inputs(cfg, batch=2, seq=16, seed=7)
+    errs["labels"] = abs(model(ids, labels=ids).item() - ref(ids, labels=ids).item()) / ref(
+        ids, labels=ids
+    ).item()
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        errs["eval_no_grad"] = _rel(model(ids), ref(ids))
+    return errs
+
+
+def param_memory(*, world: int, mesh: Any) -> dict[str, Any]:
+    import boost_compiler
+    from examples.cola_llama import build, example_inputs
+
+    model = build("tiny", seed=2)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    boost_compiler.parallelize(model, mesh, example_inputs(model.cfg))
+    plan = model.boost_plan
+    local = sum(p.numel() * p.element_size() for p in model.parameters())
+    sharded = sum(
+        torch.Size(plan.param_shapes[n]).numel() * 4 for n, pl in plan.params.items() if pl.is_shard
+    )
+    return {"total": total, "local": local, "sharded": sharded, "replicated": total - sharded}
+
+
+def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    results: dict[str, Any] = {}
+    for key, fn_name, args in checks:
+        torch.manual_seed(0)
+        try:
+            results[key] = globals()[fn_name](*args, world=world, mesh=mesh)
+        except Exception:  # reported to the test, which fails with the traceback
+            results[key] = {"error": traceback.format_exc()}
+    Path(f"{out}.{rank}").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def run_world(world: int, checks: list[tuple[str, str, tuple]]) -> dict[str, Any]:
+    """Spawn ``world`` ranks once; return rank 0's results (errors from any rank)."""
+    tmp = tempfile.mkdtemp(prefix="boost-tp-")
+    store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out")
+    mp.spawn(_worker, args=(world, store, checks, out), nprocs=world, join=True)
+    per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    results = per_rank[0]
+    for r, res in enumerate(per_rank[1:], start=1):
+        for key, val in res.items():
+            if isinstance(val, dict) and "error" in val:
+                results[key] = {"error": f"rank {r}: {val['error']}"}
+    return results
