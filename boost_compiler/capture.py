@@ -127,7 +127,9 @@ def capture(
     # Capture must not be cut short by the recompile limit when many models of
     # one class are analysed in one process (dynamo caches per code object).
     with torch._dynamo.config.patch(
-        recompile_limit=10_000, accumulated_recompile_limit=100_000, fail_on_recompile_limit_hit=True
+        recompile_limit=10_000,
+        accumulated_recompile_limit=100_000,
+        fail_on_recompile_limit_hit=True,
     ):
         compiled = torch.compile(model, backend=record, dynamic=False)
         try:

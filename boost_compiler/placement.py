@@ -80,11 +80,10 @@ def shard_through_view(
     """Where a shard on ``src[dim]`` lands after viewing ``src`` as ``dst``.
 
     Returns ``(dst_dim, divisor)``: the destination dim that is sharded and
-    the size that must divide by ``p``, or None when the view mixes the
+    the size that must divide by ``p`` (the caller checks it), or None when the view mixes the
     sharded dim with others in a way contiguous blocks cannot follow (then the
     caller gathers). A block shard survives a view when the sharded dim is
-    the leading dim of its group (its blocks stay contiguous) and the
-    destination's leading dim of that group divides by ``p``.
+    the leading dim of its group (its blocks stay contiguous).
     """
     for gi, gj in view_groups(src, dst):
         if dim not in gi:
@@ -96,11 +95,9 @@ def shard_through_view(
         lead = core_j[0]
         if len(core_i) == 1:
             # split (or identity): [64] -> [4, 16]; shard follows the leading dim
-            if _static(dst[lead]) and dst[lead] % p == 0:
-                return lead, dst[lead]
-            return None
+            return (lead, dst[lead]) if _static(dst[lead]) else None
         # merge: [4, 16] -> [64]; the leading src dim is sharded, so blocks stay whole
-        if len(core_j) == 1 and _static(src[dim]) and src[dim] % p == 0:
+        if len(core_j) == 1 and _static(src[dim]):
             return lead, src[dim]
         return None
     return None

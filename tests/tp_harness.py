@@ -59,7 +59,9 @@ def compare_training(
         opt_ref.zero_grad()
         loss.backward()
         loss_ref.backward()
-        for (name, prm), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        for (name, prm), (_, q) in zip(
+            model.named_parameters(), ref.named_parameters(), strict=True
+        ):
             grad_err = max(grad_err, _rel(_gathered_grad(prm, plan.params[name], world), q.grad))
         opt.step()
         opt_ref.step()
@@ -88,9 +90,10 @@ def other_shapes_and_kwargs(*, world: int, mesh: Any) -> dict[str, Any]:
         (ids,) = example_inputs(cfg, batch=b, seq=s, seed=b * 100 + s)
         errs[name] = _rel(model(ids), ref(ids))
     (ids,) = example_inputs(cfg, batch=2, seq=16, seed=7)
-    errs["labels"] = abs(model(ids, labels=ids).item() - ref(ids, labels=ids).item()) / ref(
-        ids, labels=ids
-    ).item()
+    errs["labels"] = (
+        abs(model(ids, labels=ids).item() - ref(ids, labels=ids).item())
+        / ref(ids, labels=ids).item()
+    )
     model.eval()
     ref.eval()
     with torch.no_grad():

@@ -1,0 +1,539 @@
+"""Tensor-parallel communication per layer: BOOST vs DTensor TP, measured with the profiler.
+
+Runs ONE training step (forward + backward, after one warm-up step) of three tensor-parallel
+set-ups on ``--tp`` CPU processes (gloo), at two depths (``n_layers`` 2 and 4), and counts the
+collectives that actually hit the wire::
+
+    python benchmarks/comm_per_layer.py                      # tp=2, d=256, d_ff=688, r=64
+    python benchmarks/comm_per_layer.py --tp 2 --d 512 --ff 1376 --rank 128 --json out.json
+
+Strategies
+----------
+``boost``
+    ``boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})`` on the CoLA-LLaMA of
+    ``examples/cola_llama.py`` (bottleneck-aware TP), then eager ``model(ids, labels=ids)``.
+``dtensor-lowrank``
+    The same low-rank model with torch DTensor TP, the "standard" plan of BOOST's paper
+    (Megatron applied to each factor pair, i.e. split along r): every ``.down`` factor is
+    ``ColwiseParallel`` and every ``.up`` factor ``RowwiseParallel``. The up factors' outputs
+    are replicated (all-reduced), so attention runs with all heads on every rank: the
+    attention modules keep their global ``n_heads``.
+``dtensor-dense``
+    A dense LLaMA of the same d/d_ff/heads (the CoLA model with every ``LowRankLinear``
+    replaced by ``nn.Linear(d_in, d_out, bias=False)``) with the Megatron plan: q/k/v/gate/up
+    ``ColwiseParallel``, o/down ``RowwiseParallel``; ``attn.n_heads``/``n_kv_heads`` set to the
+    local head counts as torchtitan does.
+
+In both DTensor strategies the embedding, the norms and the LM head are left replicated
+(plain tensors, identical on every rank): they contribute no communication and, being outside
+the layers, would cancel in the per-layer increment anyway. Each strategy's loss is checked
+against the single-device model's (column "loss err").
+
+What is counted
+---------------
+Every profiler event whose name starts with ``gloo:`` during the profiled step on rank 0
+(``torch.profiler``, CPU activity, ``record_shapes=True``). Those are the backend's own
+events, one per collective that runs, whatever issued it (c10d, functional collectives,
+DTensor redistribution, compiled graphs). Their ``input_shapes`` / ``input_dtypes`` record
+the tensor(s) that the rank *contributes*:
+
+- ``gloo:all_reduce``: the full tensor (a coalesced all-reduce lists several: summed). gloo
+  implements ``reduce_scatter_tensor`` as an all-reduce of the full input, so it shows up
+  here too, with the full size.
+- ``gloo:all_gather``: only the local shard (the rank's input), NOT the gathered output.
+
+"bytes" below are the *logical* collective size (the nccl-tests convention): all-reduce,
+broadcast, reduce-scatter and all-to-all: the recorded input size; all-gather: the recorded
+input size times the group size (= the gathered tensor). The JSON also holds the raw recorded
+("contributed") bytes. Bytes per token per layer is the increment between the two depths:
+``(bytes(L=4) - bytes(L=2)) / 2 / (batch * seq)``, forward + backward; collectives per layer
+likewise. The forward/backward split classifies each event by its start time against the
+start of ``loss.backward()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `examples` lives in the repository root, not in the package
+    sys.path.insert(0, str(ROOT))
+
+STRATEGIES = ("boost", "dtensor-lowrank", "dtensor-dense")
+DEPTHS = (2, 4)
+PROJS = {
+    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+}
+
+_DTYPE_BYTES = {
+    "float": 4,
+    "double": 8,
+    "c10::Half": 2,
+    "c10::BFloat16": 2,
+    "long int": 8,
+    "int": 4,
+    "short int": 2,
+    "signed char": 1,
+    "unsigned char": 1,
+    "bool": 1,
+    "c10::Float8_e4m3fn": 1,
+    "c10::Float8_e5m2": 1,
+}
+
+
+# --------------------------------------------------------------------------- models and plans
+
+
+def _make_model(strategy: str, n_layers: int, args: argparse.Namespace) -> nn.Module:
+    from examples.cola_llama import LowRankLinear, build
+
+    model = build(
+        "tiny",
+        seed=0,
+        vocab_size=args.vocab,
+        d_model=args.d,
+        d_ff=args.ff,
+        rank=args.rank,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        n_layers=n_layers,
+        max_seq_len=max(256, args.seq),
+    )
+    if strategy == "dtensor-dense":
+        torch.manual_seed(1)
+        for block in model.layers:
+            for sub, names in PROJS.items():
+                parent = getattr(block, sub)
+                for name in names:
+                    lr = getattr(parent, name)
+                    assert isinstance(lr, LowRankLinear)
+                    dense = nn.Linear(lr.down.in_features, lr.up.out_features, bias=False)
+                    setattr(parent, name, dense)
+    return model
+
+
+def _dtensor_plan(strategy: str, n_layers: int) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for i in range(n_layers):
+        for sub, names in PROJS.items():
+            for name in names:
+                fqn = f"layers.{i}.{sub}.{name}"
+                if strategy == "dtensor-lowrank":
+                    # Megatron on each factor pair: split r.
+                    plan[f"{fqn}.down"] = ColwiseParallel()
+                    plan[f"{fqn}.up"] = RowwiseParallel()
+                elif name in ("o_proj", "down_proj"):
+                    plan[fqn] = RowwiseParallel()
+                else:
+                    plan[fqn] = ColwiseParallel()
+    return plan
+
+
+def _parallelize(strategy: str, model: nn.Module, mesh: Any, ids: torch.Tensor, world: int) -> None:
+    if strategy == "boost":
+        import boost_compiler
+
+        boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
+        return
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh, _dtensor_plan(strategy, len(model.layers)))
+    if strategy == "dtensor-dense":
+        for block in model.layers:  # heads are sharded: the views must use local counts
+            attn = block.attn
+            if attn.n_heads % world or attn.n_kv_heads % world:
+                raise ValueError(
+                    f"heads ({attn.n_heads}, {attn.n_kv_heads}) not divisible by {world}"
+                )
+            attn.n_heads //= world
+            attn.n_kv_heads //= world
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _elem_bytes(dtype: str) -> int:
+    if dtype in _DTYPE_BYTES:
+        return _DTYPE_BYTES[dtype]
+    try:  # e.g. "c10::Float8_e4m3fnuz"
+        return getattr(torch, dtype.split("::")[-1].lower()).itemsize
+    except AttributeError:
+        print(
+            f"warning: unknown dtype {dtype!r} in a gloo event; assuming 4 bytes", file=sys.stderr
+        )
+        return 4
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _collectives(prof: Any, world: int) -> dict[str, Any]:
+    events = prof.events()
+    bwd_start = min(
+        (e.time_range.start for e in events if e.name == "comm_per_layer::backward"),
+        default=float("inf"),
+    )
+    out: dict[str, Any] = {
+        "count": 0,
+        "bytes": 0,
+        "contributed_bytes": 0,
+        "fwd": {"count": 0, "bytes": 0},
+        "bwd": {"count": 0, "bytes": 0},
+        "by_op": {},
+        "shapes": Counter(),
+    }
+    for e in events:
+        if not e.name.startswith("gloo:"):
+            continue
+        dtypes = list(e.input_dtypes or [])
+        contributed = 0
+        for i, shape in enumerate(e.input_shapes or []):
+            if shape:
+                contributed += _numel(shape) * _elem_bytes(
+                    dtypes[i] if i < len(dtypes) else "float"
+                )
+        logical = contributed * world if e.name == "gloo:all_gather" else contributed
+        phase = "bwd" if e.time_range.start >= bwd_start else "fwd"
+        out["count"] += 1
+        out["bytes"] += logical
+        out["contributed_bytes"] += contributed
+        out[phase]["count"] += 1
+        out[phase]["bytes"] += logical
+        op = out["by_op"].setdefault(e.name, {"count": 0, "bytes": 0})
+        op["count"] += 1
+        op["bytes"] += logical
+        shapes = "+".join(str(list(s)) for s in e.input_shapes or [])
+        out["shapes"][f"{phase} {e.name} {shapes} {','.join(dtypes)}"] += 1
+    out["shapes"] = dict(sorted(out["shapes"].items()))
+    return out
+
+
+def _measure(strategy: str, n_layers: int, args: argparse.Namespace, mesh: Any, world: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from examples.cola_llama import example_inputs
+
+    torch._dynamo.reset()
+    model = _make_model(strategy, n_layers, args)
+    (ids,) = example_inputs(model.cfg, batch=args.batch, seq=args.seq, seed=0)
+    ref_loss = copy.deepcopy(model)(ids, labels=ids).item()
+
+    t0 = time.perf_counter()
+    _parallelize(strategy, model, mesh, ids, world)
+    t_par = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    loss = model(ids, labels=ids)  # warm-up: compiles (boost), fills caches
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    t_warm = time.perf_counter() - t0
+    dist.barrier()
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        with record_function("comm_per_layer::forward"):
+            loss = model(ids, labels=ids)
+        with record_function("comm_per_layer::backward"):
+            loss.backward()
+    res = _collectives(prof, world)
+    loss_v = float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+    res.update(
+        n_layers=n_layers,
+        loss=loss_v,
+        ref_loss=ref_loss,
+        loss_err=abs(loss_v - ref_loss) / max(abs(ref_loss), 1e-12),
+        parallelize_s=t_par,
+        warmup_s=t_warm,
+    )
+    return res
+
+
+def _worker(
+    rank: int, world: int, strategy: str, args: argparse.Namespace, store: str, out_dir: str
+) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, world),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=args.timeout),
+    )
+    result: dict[str, Any] = {"strategy": strategy, "rank": rank, "depths": {}}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for n_layers in DEPTHS:
+            result["depths"][str(n_layers)] = _measure(strategy, n_layers, args, mesh, world)
+    except BaseException as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+        raise
+    finally:
+        Path(out_dir, f"{strategy}.rank{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def _run_strategy(strategy: str, args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
+    store = tempfile.mktemp(prefix=f"comm_{strategy}_", dir=out_dir)
+    t0 = time.perf_counter()
+    ctx = mp.start_processes(
+        _worker,
+        args=(args.tp, strategy, args, store, out_dir),
+        nprocs=args.tp,
+        join=False,
+        start_method="spawn",
+    )
+    error = None
+    try:
+        while not ctx.join(timeout=5):
+            if time.perf_counter() - t0 > args.timeout * 2:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                error = f"timed out after {args.timeout * 2} s"
+                break
+    except Exception as exc:  # ProcessRaisedException / ProcessExitedException
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
+    results = {}
+    for r in range(args.tp):
+        f = Path(out_dir, f"{strategy}.rank{r}.json")
+        if f.exists():
+            results[r] = json.loads(f.read_text())
+    res = results.get(0, {"strategy": strategy, "depths": {}})
+    failed = [r for r in results.values() if "error" in r]
+    if failed or error:
+        res["error"] = failed[0]["error"] if failed else error
+        res["traceback"] = failed[0].get("traceback", "") if failed else ""
+        res["failed_rank"] = failed[0]["rank"] if failed else None
+    # The collectives must be the same on every rank; say so if not.
+    counts = {
+        r: [d.get("count") for d in v["depths"].values()]
+        for r, v in results.items()
+        if "error" not in v
+    }
+    res["ranks_agree"] = len({tuple(c) for c in counts.values()}) <= 1
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _analytic(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Expected elements per token per layer (forward, backward)."""
+    d, ff, r = args.d, args.ff, args.rank
+    kv = (args.kv_heads or args.heads) * (d // args.heads)
+    return {
+        # 7 latents all-reduced (q,k,v,o,gate,up,down), + one norm statistic per RMSNorm when
+        # fused into the following all-reduce; backward: the same 7 latents' input grads.
+        "boost": {"fwd": 7 * r + 2, "bwd": 7 * r},
+        # outputs of every up factor: q (d) + k, v (kv) + o (d) + gate, up (ff) + down (d);
+        # backward: input grads of every down factor: q,k,v,gate,up (d) + o (d) + down (ff).
+        "dtensor-lowrank": {"fwd": d + 2 * kv + d + 2 * ff + d, "bwd": 6 * d + ff},
+        # Megatron: o and down outputs; backward: q,k,v and gate,up input grads, which DTensor
+        # all-reduces per module (5d) where Megatron's f would all-reduce once per block (2d).
+        "dtensor-dense": {"fwd": 2 * d, "bwd": 5 * d},
+    }
+
+
+def _per_layer(res: dict[str, Any], key: str, tokens: int) -> float | None:
+    deps = res.get("depths", {})
+    if not all(str(n) in deps for n in DEPTHS):
+        return None
+    lo, hi = deps[str(DEPTHS[0])], deps[str(DEPTHS[1])]
+
+    def get(d: dict[str, Any]) -> float:
+        v: Any = d
+        for k in key.split("."):
+            v = v[k]
+        return float(v)
+
+    return (get(hi) - get(lo)) / (DEPTHS[1] - DEPTHS[0]) / tokens
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=200)
+    tokens = args.batch * args.seq
+    analytic = _analytic(args)
+    summary: dict[str, Any] = {"config": vars(args).copy(), "strategies": {}}
+    for s, res in results.items():
+        per = {
+            "bytes_per_token_layer": _per_layer(res, "bytes", tokens),
+            "fwd_bytes_per_token_layer": _per_layer(res, "fwd.bytes", tokens),
+            "bwd_bytes_per_token_layer": _per_layer(res, "bwd.bytes", tokens),
+            "collectives_per_layer": _per_layer(res, "count", 1),
+            "fwd_collectives_per_layer": _per_layer(res, "fwd.count", 1),
+            "bwd_collectives_per_layer": _per_layer(res, "bwd.count", 1),
+        }
+        a = analytic[s]
+        per["analytic_bytes_per_token_layer"] = {
+            "fwd": a["fwd"] * 4,
+            "bwd": a["bwd"] * 4,
+            "total": (a["fwd"] + a["bwd"]) * 4,
+        }
+        summary["strategies"][s] = {**res, **per}
+
+    boost = summary["strategies"].get("boost", {})
+    boost_b, boost_fb = boost.get("bytes_per_token_layer"), boost.get("fwd_bytes_per_token_layer")
+    table = Table(
+        title=(
+            f"Tensor-parallel communication, tp={args.tp}, d={args.d}, d_ff={args.ff}, "
+            f"r={args.rank}, heads={args.heads}/{args.kv_heads or args.heads}, batch={args.batch}, seq={args.seq}, fp32; "
+            "one fwd+bwd step, rank 0, gloo events"
+        )
+    )
+    cols = [
+        "strategy",
+        "coll/step L=2",
+        "coll/step L=4",
+        "coll/layer (fwd+bwd)",
+        "bytes/step L=2",
+        "bytes/step L=4",
+        "B/token/layer (fwd+bwd)",
+        "analytic B/tok/layer (fwd+bwd)",
+        "ratio vs boost (fwd)",
+        "loss err",
+    ]
+    for c in cols:
+        table.add_column(c, justify="left" if c == "strategy" else "right")
+    for s, res in summary["strategies"].items():
+        deps = res.get("depths", {})
+        lo, hi = deps.get(str(DEPTHS[0]), {}), deps.get(str(DEPTHS[1]), {})
+        b, fb, bb = (
+            res["bytes_per_token_layer"],
+            res["fwd_bytes_per_token_layer"],
+            res["bwd_bytes_per_token_layer"],
+        )
+        c, fc, bc = (
+            res["collectives_per_layer"],
+            res["fwd_collectives_per_layer"],
+            res["bwd_collectives_per_layer"],
+        )
+        an = res["analytic_bytes_per_token_layer"]
+        errs = [v["loss_err"] for v in deps.values()]
+        table.add_row(
+            s + (" [red](FAILED)[/red]" if "error" in res else ""),
+            str(lo.get("count", "-")),
+            str(hi.get("count", "-")),
+            "-" if c is None else f"{c:g} ({fc:g}+{bc:g})",
+            _fmt_bytes(lo["bytes"]) if lo else "-",
+            _fmt_bytes(hi["bytes"]) if hi else "-",
+            "-" if b is None else f"{b:.0f} ({fb:.0f}+{bb:.0f})",
+            f"{an['total']:.0f} ({an['fwd']:.0f}+{an['bwd']:.0f})",
+            "-" if b is None or not boost_b else f"{b / boost_b:.2f}x ({fb / boost_fb:.2f}x)",
+            "-" if not errs else f"{max(errs):.1e}",
+        )
+    console.print(table)
+    d, ff, r = args.d, args.ff, args.rank
+    console.print(
+        "Analytic elements/token/layer (x4 bytes in fp32): "
+        f"boost fwd 7r (+2 norm statistics) = {7 * r}(+2), bwd 7r = {7 * r}; "
+        f"standard low-rank fwd (q+k+v) + o + 2ff + d = 3d+d+2ff+d (MHA) = "
+        f"{analytic['dtensor-lowrank']['fwd']}, bwd 6d+ff = {6 * d + ff}; "
+        f"dense fwd 2d = {2 * d}, bwd 2d (Megatron) / 5d (DTensor, per-module q,k,v,gate,up "
+        f"input-grad all-reduces) = {2 * d} / {5 * d}."
+    )
+    for s, res in summary["strategies"].items():
+        if "error" in res:
+            console.print(f"[red]{s} failed[/red] (rank {res.get('failed_rank')}): {res['error']}")
+            tail = "\n".join(res.get("traceback", "").strip().splitlines()[-25:])
+            if tail:
+                console.print(tail, markup=False, highlight=False)
+        elif not res.get("ranks_agree", True):
+            console.print(f"[yellow]{s}: ranks issued different numbers of collectives[/yellow]")
+    if args.verbose:
+        for s, res in summary["strategies"].items():
+            for n, dep in res.get("depths", {}).items():
+                console.print(f"{s} L={n}: gloo events (phase, op, recorded input shapes, dtype)")
+                for k, v in dep["shapes"].items():
+                    console.print(f"   {v:4d} x {k}", markup=False, highlight=False)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--ff", type=int, default=688)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
+    ap.add_argument("--timeout", type=int, default=300, help="per collective (s); 2x per strategy")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("-v", "--verbose", action="store_true", help="list every gloo event shape")
+    args = ap.parse_args(argv)
+    strategies = [s for s in args.strategies.split(",") if s]
+    for s in strategies:
+        if s not in STRATEGIES:
+            ap.error(f"unknown strategy {s!r}; choose from {STRATEGIES}")
+
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="comm_per_layer_") as out_dir:
+        for s in strategies:
+            results[s] = _run_strategy(s, args, out_dir)
+            print(
+                f"[{s}] done in {results[s]['wall_s']:.1f} s"
+                + (f" -- ERROR: {results[s]['error']}" if "error" in results[s] else ""),
+                flush=True,
+            )
+    summary = _report(results, args)
+    line = json.dumps(summary, default=str)
+    print(
+        "JSON "
+        + json.dumps(
+            {
+                s: {
+                    k: v
+                    for k, v in r.items()
+                    if k.endswith("per_layer") or k.endswith("token_layer")
+                }
+                for s, r in summary["strategies"].items()
+            }
+        )
+    )
+    if args.json:
+        Path(args.json).write_text(line + "\n")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""parallelize() in one process on torch's fake process group: plan structure, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import boost_compiler
+from boost_compiler.collectives import fake_process_group
+from examples.cola_llama import build, example_inputs
+
+
+def _plan(world: int, **overrides):
+    with fake_process_group(world):
+        model = build("tiny", **overrides)
+        boost_compiler.parallelize(model, dist.group.WORLD, example_inputs(model.cfg, seq=16))
+        return model, model.boost_plan
+
+
+def test_collectives_sit_on_the_rank_dim() -> None:
+    model, plan = _plan(2)
+    cfg = model.cfg
+    b, s, r, d = 2, 16, cfg.rank, cfg.d_model
+    downs = 7 * cfg.n_layers
+    fwd = [c for c in plan.collectives if c.forward and c.kind == "all_reduce"]
+    bwd = [c for c in plan.collectives if c.backward and c.kind == "all_reduce"]
+    assert sum(c.global_shape == (b, s, r) for c in fwd) == downs  # one per down factor
+    assert sum(c.global_shape == (b, s, r) for c in bwd) == downs  # one per up factor input
+    stats = [c for c in fwd if c.reason == "norm statistics"]
+    assert len(stats) == 2 * cfg.n_layers + 1 and all(c.global_shape == (b, s, 1) for c in stats)
+    assert not [c for c in fwd + bwd if c.global_shape[-1] == d]  # no hidden-size all-reduce
+    gathers = [c for c in plan.collectives if c.kind == "all_gather" and c.forward]
+    assert len(gathers) == 1 and gathers[0].global_shape == (b, s, d)  # before the LM head
+    assert plan.fallbacks == []
+
+
+def test_placements_follow_the_bottlenecks() -> None:
+    _, plan = _plan(2)
+    p = plan.params
+    assert str(p["layers.0.attn.q_proj.down.weight"]) == "S(1)"  # row-parallel on d_in
+    assert str(p["layers.0.attn.q_proj.up.weight"]) == "S(0)"  # column-parallel on d_out
+    assert str(p["layers.0.attn_norm.weight"]) == "S(0)"
+    assert str(p["embed.weight"]) == "S(1)"  # hidden-dim split
+    assert str(p["lm_head.weight"]) == "R"
+
+
+def test_heads_not_divisible_raise_before_any_change() -> None:
+    with fake_process_group(8):
+        model = build("tiny")  # 4 heads
+        before = {n: prm for n, prm in model.named_parameters()}
+        with pytest.raises(boost_compiler.ShardingError, match=r"p=8") as err:
+            boost_compiler.parallelize(model, dist.group.WORLD, example_inputs(model.cfg))
+        assert "attn" in str(err.value) or "dimension" in str(err.value)
+        assert all(prm is before[n] for n, prm in model.named_parameters())
+
+
+def test_hidden_not_divisible_names_parameter() -> None:
+    with fake_process_group(3):
+        model = build("tiny")  # d = 64
+        with pytest.raises(boost_compiler.ShardingError, match=r"'embed.weight'.*size 64.*p=3"):
+            boost_compiler.parallelize(model, dist.group.WORLD, example_inputs(model.cfg))
+
+
+def test_two_dimensional_mesh_is_refused() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = build("tiny")
+        with pytest.raises(boost_compiler.MeshError, match="1-D.*mesh\\['tp'\\]"):
+            boost_compiler.parallelize(model, mesh, example_inputs(model.cfg))
+
+
+def test_example_inputs_that_do_not_run() -> None:
+    with fake_process_group(2):
+        model = build("tiny")
+        bad = (torch.randn(2, 16),)  # floats where token ids are expected
+        with pytest.raises(boost_compiler.CaptureError, match="did not run"):
+            boost_compiler.parallelize(model, dist.group.WORLD, bad)
