@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up and run in one command, on a fresh machine or an existing checkout.
 #
-#   bash dev.sh demo [args]   # the main job (examples/demo.py)
+#   bash dev.sh demo [args]   # the main job: examples/demo.py [args], then demo_tp.py on 2 ranks
 #   bash dev.sh test [args]   # the test suite (pytest)
 #
 # Creates ./.venv (or $BOOST_VENV), installs torch only if that environment has
@@ -40,7 +40,9 @@ fi
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  demo) exec "$PY" examples/demo.py "$@" ;;
+  demo)
+    "$PY" examples/demo.py "$@"
+    OMP_NUM_THREADS=1 exec "$VENV/bin/torchrun" --standalone --nproc-per-node 2 examples/demo_tp.py ;;
   test) exec "$PY" -m pytest -q "$@" ;;
   *) echo "usage: bash dev.sh demo|test [args]" >&2; exit 2 ;;
 esac

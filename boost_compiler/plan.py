@@ -43,24 +43,23 @@ class TPPlan:
         return t
 
     def collective_table(self) -> Table:
+        """Collectives per step grouped by kind, payload and direction, with counts."""
         t = Table(title="collectives per step (captured example)", title_justify="left")
-        for col in ("node", "kind", "payload (global)", "bytes", "fwd", "bwd", "why"):
+        for col in ("kind", "payload (global)", "count", "bytes each", "fwd", "bwd", "why"):
             t.add_column(col)
+        groups: dict[tuple, int] = {}
         for c in self.collectives:
-            if not (c.forward or c.backward):
-                continue
+            if c.forward or c.backward:
+                key = (c.kind, tuple(c.global_shape), c.dtype, c.forward, c.backward, c.reason)
+                groups[key] = groups.get(key, 0) + 1
+        for (kind, shape, dtype, fwd, bwd, why), n in groups.items():
             numel = 1
-            for s in c.global_shape:
-                numel *= int(s)
+            for size in shape:
+                numel *= int(size)
             t.add_row(
-                c.node,
-                c.kind,
-                str(list(c.global_shape)),
-                f"{numel * c.dtype.itemsize:,}",
-                "✓" if c.forward else "",
-                "✓" if c.backward else "",
-                c.reason,
-            )
+                kind, str(list(shape)), str(n), f"{numel * dtype.itemsize:,}",
+                "✓" if fwd else "", "✓" if bwd else "", why,
+            )  # fmt: skip
         return t
 
     def __rich__(self) -> Group:
