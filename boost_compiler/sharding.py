@@ -340,6 +340,12 @@ class ShardingPropagator:
                 self._decide(c.bias, S(0))
             return self.set(node, S(len(shape_of(node)) - 1))
         w_pl = self.env.get(c.weight) if c.weight not in self.undecided else None
+        # A weight already split on its input dim is row-parallel too. That is the
+        # tied embedding / LM head: the embedding fixed the shared weight to
+        # S(1) (hidden split), so the head contracts the hidden shard with the
+        # local columns and all-reduces the partial logits. Exact, and it keeps
+        # one layout for the one tensor; gathering the weight instead would
+        # cost V*d per step against b*s*V here.
         row_parallel = role == "down" or w_pl == S(w_in)
         if row_parallel and (x_pl == S(x_nd - 1) or x_pl == R):
             if x_pl == R:
