@@ -64,9 +64,7 @@ def resolve_group(mesh_or_group: Any) -> TPGroup:
 
 
 def local_shard(t: torch.Tensor, placement: Placement, group: TPGroup) -> torch.Tensor:
-    if not placement.is_shard:
-        return t.detach().clone()
-    return t.detach().chunk(group.size, dim=placement.dim)[group.rank].clone()
+    return placement.shard(t.detach(), group.rank, group.size).clone()
 
 
 def parallelize(

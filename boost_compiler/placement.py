@@ -2,7 +2,10 @@
 
 ``R`` replicated (every rank holds the full, identical value), ``S(d)`` sharded
 in contiguous blocks along dim ``d`` (rank i holds block i), ``P`` partial (the
-value is the sum of the ranks' tensors). The same vocabulary as DTensor's
+value is the sum of the ranks' tensors). A shard may be *blocked*: dim ``d``
+is a concatenation of logical blocks (a fused q/k/v projection's three outputs)
+and rank i holds the i-th slice of every block, so a ``split`` into the blocks
+works on the local tensor and yields plain shards. The same vocabulary as DTensor's
 Replicate/Shard/Partial; DTensor itself is not used because the placements here
 are decided per FX node by the compiler, and the graph stays plain tensors.
 """
@@ -14,26 +17,64 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class Placement:
     kind: str  # "R", "S" or "P"
     dim: int = -1  # for "S": a non-negative dim
+    blocks: tuple[int, ...] = ()  # for a blocked "S": global block sizes along dim
 
     def __str__(self) -> str:
-        return f"S({self.dim})" if self.kind == "S" else self.kind
+        if self.kind != "S":
+            return self.kind
+        return f"S({self.dim}, blocks={list(self.blocks)})" if self.blocks else f"S({self.dim})"
 
     @property
     def is_shard(self) -> bool:
         return self.kind == "S"
+
+    def shard(self, full: torch.Tensor, rank: int, p: int) -> torch.Tensor:
+        """This rank's piece of a full (global) tensor: what a parameter becomes."""
+        if not self.is_shard:
+            return full
+        if not self.blocks:
+            return full.chunk(p, dim=self.dim)[rank]
+        return torch.cat([b.chunk(p, self.dim)[rank] for b in self._split(full)], self.dim)
+
+    def unshard(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's piece (in rank order)."""
+        if not self.is_shard:
+            return parts[0]
+        if not self.blocks:
+            return torch.cat(list(parts), self.dim)
+        p = len(parts)
+        local = [size // p for size in self.blocks]
+        per_rank = [part.split(local, self.dim) for part in parts]
+        return torch.cat(
+            [torch.cat([pieces[i] for pieces in per_rank], self.dim) for i in range(len(local))],
+            self.dim,
+        )
+
+    def _split(self, full: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return full.split(list(self.blocks), self.dim)
 
 
 R = Placement("R")
 P = Placement("P")
 
 
-def S(dim: int) -> Placement:
-    return Placement("S", dim)
+def S(dim: int, blocks: Sequence[int] = ()) -> Placement:
+    return Placement("S", dim, tuple(blocks))
+
+
+def unblock(gathered: torch.Tensor, dim: int, blocks: Sequence[int], p: int) -> torch.Tensor:
+    """Reorder an all-gathered blocked shard ``[r0: b0/p b1/p .., r1: ..]`` to global order.
+
+    Plain differentiable tensor ops, so the gather's backward composes with it.
+    """
+    return S(dim, blocks).unshard(gathered.chunk(p, dim))
 
 
 def view_groups(src: Sequence[Any], dst: Sequence[Any]) -> list[tuple[list[int], list[int]]]:

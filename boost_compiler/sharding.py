@@ -34,7 +34,7 @@ from ._logging import get_logger
 from .detect import Bottleneck
 from .errors import ShardingError
 from .graph_ops import as_contraction, shape_of, value_of
-from .placement import P, Placement, R, S, shard_through_view
+from .placement import P, Placement, R, S, shard_through_view, unblock
 
 log = get_logger(__name__)
 
@@ -185,6 +185,11 @@ class ShardingPropagator:
                         C.gather_from_tp, (arg, pl.dim, self.group, self.rank, self.p)
                     )
                     kind = "all_gather"
+            if pl.blocks:  # rank-major after the gather; put each block back together
+                gathered = new
+                with self.graph.inserting_after(gathered):
+                    new = self.graph.call_function(unblock, (gathered, pl.dim, pl.blocks, self.p))
+                gathered.meta["example_value"] = value_of(arg)
             new.meta["example_value"] = value_of(arg)
             self.env[new] = R
             self.converted[key] = new
@@ -236,6 +241,11 @@ class ShardingPropagator:
     # -- rules -------------------------------------------------------------
 
     def _call(self, node: fx.Node) -> None:
+        if node.target not in _SPLITS and any(
+            (pl := self.peek(a)) is not None and pl.blocks and a.name not in self.param_names
+            for a in node.all_input_nodes
+        ):
+            return self._fallback(node)  # only a split into its blocks reads a blocked shard
         rule = self._rule_for(node)
         if rule is not None:
             rule(node)
@@ -257,8 +267,10 @@ class ShardingPropagator:
                 return self._embedding
             if t in (torch.rms_norm, F.rms_norm, F.layer_norm, torch.layer_norm):
                 return self._norm
-            if t is F.scaled_dot_product_attention:
-                return self._same_shard
+            if t is F.scaled_dot_product_attention or t in _ACT_MATMUL:
+                return self._same_shard  # batched over heads; as_contraction took weights
+            if t in _SPLITS or t in _SOFTMAX:
+                return self._along_other_dim
             if t is operator.getitem:
                 return self._getitem
             if t is torch.cat:
@@ -274,6 +286,8 @@ class ShardingPropagator:
                 return self._dim_move
             if t in ("chunk", "split", "repeat_interleave", "softmax"):
                 return self._along_other_dim
+            if t in ("matmul", "__matmul__"):
+                return self._same_shard
             if t in ("mean", "sum"):
                 return self._reduction
         if node.op == "call_function" and t in (torch.mean, torch.sum):
@@ -335,10 +349,11 @@ class ShardingPropagator:
         x_nd = len(shape_of(c.input))
         if role == "up":
             node.replace_input_with(c.input, self.to_replicate(c.input, node))
-            self._decide(c.weight, S(1 - w_in))
+            blocks = self._fused_blocks(node)
+            self._decide(c.weight, S(1 - w_in, blocks))
             if c.bias is not None:
-                self._decide(c.bias, S(0))
-            return self.set(node, S(len(shape_of(node)) - 1))
+                self._decide(c.bias, S(0, blocks))
+            return self.set(node, S(len(shape_of(node)) - 1, blocks))
         w_pl = self.env.get(c.weight) if c.weight not in self.undecided else None
         # A weight already split on its input dim is row-parallel too. That is the
         # tied embedding / LM head: the embedding fixed the shared weight to
@@ -376,6 +391,23 @@ class ShardingPropagator:
         if c.bias is not None:
             self._decide(c.bias, R)
         self.env[node] = R
+
+    def _fused_blocks(self, node: fx.Node) -> tuple[int, ...]:
+        """Block sizes when every consumer splits this up factor's output into pieces.
+
+        A fused q/k/v (or gate/up) factor is column-parallel per piece: each rank
+        takes its slice of q, of k and of v, so the split runs locally and every
+        piece is an ordinary hidden shard. A contiguous split of the fused
+        output would hand rank 0 all of q instead.
+        """
+        nd = len(shape_of(node))
+        found = {_split_sizes(u, nd - 1) for u in node.users}
+        if len(found) != 1 or None in found:
+            return ()
+        [sizes] = found
+        if len(sizes) < 2 or any(size % self.p for size in sizes):
+            return ()
+        return sizes
 
     def _embedding(self, node: fx.Node) -> None:
         ids, weight = node.args[0], node.args[1]
@@ -422,11 +454,16 @@ class ShardingPropagator:
     def _same_shard(self, node: fx.Node) -> None:
         """Ops that act independently along a batch-like sharded dim (attention heads)."""
         tensors = [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]
-        dims = {self.placement(a).dim for a in tensors if self.placement(a).is_shard}
-        if len(dims) != 1 or any(self.placement(a) == P for a in tensors):
+        out = shape_of(node)
+        pls = [self.placement(a) for a in tensors]
+        if all(pl == R for pl in pls):
+            self.env[node] = R
+            return
+        dims = {self._aligned(a, out) for a, pl in zip(tensors, pls, strict=True) if pl.is_shard}
+        if len(dims) != 1 or None in dims or P in pls or any(pl.blocks for pl in pls):
             return self._fallback(node)
         [k] = dims
-        nd = len(shape_of(node))
+        nd = len(out)
         if k >= nd - 2:  # the attention's own seq/feature dims must stay whole
             return self._fallback(node)
         for a in tensors:
@@ -499,15 +536,28 @@ class ShardingPropagator:
             return self._call_replicated(node, pl)
         nd = len(shape_of(x))
         dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
-        if node.target in ("chunk", "split") and dim is None:
-            dim = 0
-        if node.target == "softmax":
+        if node.target in _SPLITS:
+            if pl.blocks and _split_sizes(node, pl.dim) == pl.blocks:
+                return self._split_blocks(node, pl)
+            if dim is None:
+                dim = 0
+        if node.target in _SOFTMAX:
             dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        if dim is None or dim % nd == pl.dim and node.target != "repeat_interleave":
+        if pl.blocks or dim is None or dim % nd == pl.dim and node.target != "repeat_interleave":
             return self._fallback(node)
         # repeat_interleave along the head dim keeps contiguous head blocks aligned:
         # local kv head j serves local q heads [j*n_rep, (j+1)*n_rep).
         self.set(node, pl)
+
+    def _split_blocks(self, node: fx.Node, pl: Placement) -> None:
+        """Split a blocked shard into its blocks: local sizes, plain shards out."""
+        if node.target in ("split", torch.split):  # chunk(n) already means 1/n locally
+            local = [size // self.p for size in pl.blocks]
+            kwargs = dict(node.kwargs)
+            for key in ("split_size", "split_size_or_sections"):
+                kwargs.pop(key, None)
+            node.args, node.kwargs = (node.args[0], local, *node.args[2:]), kwargs
+        self.set(node, S(pl.dim))
 
     def _call_replicated(self, node: fx.Node, pl: Placement) -> None:
         if pl == P:
@@ -561,6 +611,26 @@ class ShardingPropagator:
         node.args, node.kwargs = (x, pl.dim, bool(keepdim), full, self.group), {}
         self._record("all_reduce", node, node, fwd=True, bwd=False, reason="reduction")
         self.env[node] = R
+
+
+_SPLITS = ("chunk", "split", torch.split, torch.chunk)
+_ACT_MATMUL = (torch.matmul, operator.matmul, torch.bmm)
+_SOFTMAX = ("softmax", torch.softmax, F.softmax)
+
+
+def _split_sizes(node: fx.Node, dim: int) -> tuple[int, ...] | None:
+    """The global piece sizes when ``node`` splits or chunks along ``dim``, else None."""
+    if node.target not in _SPLITS:
+        return None
+    pieces = value_of(node)
+    if not isinstance(pieces, (tuple, list)) or not pieces:
+        return None
+    nd = pieces[0].dim()
+    given = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+    if not isinstance(given, int) or given % nd != dim % nd:
+        return None
+    sizes = tuple(t.shape[dim] for t in pieces)
+    return sizes if all(isinstance(size, int) for size in sizes) else None
 
 
 def _dim_after_index(idx: tuple[Any, ...], dim: int, nd: int) -> int | None:

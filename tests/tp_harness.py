@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import tempfile
 import traceback
@@ -27,7 +28,7 @@ def _gathered_grad(prm: torch.Tensor, placement: Any, world: int) -> torch.Tenso
         return prm.grad
     parts = [torch.empty_like(prm.grad) for _ in range(world)]
     dist.all_gather(parts, prm.grad.contiguous())
-    return torch.cat(parts, placement.dim)
+    return placement.unshard(parts)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -41,6 +42,7 @@ def compare_training(
     import boost_compiler
     from tests import models
 
+    warned = _WarningLog()
     model, inputs = getattr(models, maker)()
     ref = copy.deepcopy(model)
     takes_labels = hasattr(model, "cfg")
@@ -73,7 +75,25 @@ def compare_training(
         "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
         "grad_err": grad_err,
         "fallbacks": plan.fallbacks,
+        "warnings": warned.close(),
     }
+
+
+class _WarningLog(logging.Handler):
+    """Warnings of the ``boost_compiler`` logger while a check runs (fallbacks at any stage)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger("boost_compiler").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def close(self) -> list[str]:  # type: ignore[override]
+        logging.getLogger("boost_compiler").removeHandler(self)
+        super().close()
+        return self.messages
 
 
 def other_shapes_and_kwargs(*, world: int, mesh: Any) -> dict[str, Any]:
