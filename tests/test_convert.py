@@ -1,0 +1,276 @@
+"""to_low_rank: dense projections -> bottlenecks the compiler detects, exact SVD, report."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from torch import nn
+
+import boost_compiler
+from boost_compiler.convert import (
+    LowRankLinear,
+    PatternError,
+    RankError,
+    UnsupportedModuleError,
+    to_low_rank,
+)
+
+
+class Attn(nn.Module):
+    def __init__(self, d: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v = (nn.Linear(d, d) for _ in range(3))
+        self.o = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, d // self.heads).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)))
+        return self.o(y.transpose(1, 2).reshape(b, s, d))
+
+
+class Toy(nn.Module):
+    """Embedding, one attention + MLP block, a head (optionally tied)."""
+
+    def __init__(self, vocab: int = 96, d: int = 64, ff: int = 160, tie: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.attn = Attn(d)
+        self.mlp = nn.Sequential(nn.Linear(d, ff), nn.GELU(), nn.Linear(ff, d))
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = x + self.attn(x)
+        x = x + self.mlp(x)
+        return self.lm_head(self.norm(x))
+
+
+PROJ = ["attn.q", "attn.k", "attn.v", "attn.o", "mlp.0", "mlp.2"]
+
+
+def _ids(vocab: int = 96) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _pairs(model: nn.Module, *args: object, **kw: object) -> set[tuple[str, str]]:
+    return {(b.down, b.up) for b in boost_compiler.detect(model, args, kw or None)}
+
+
+def _assert_detected(model: nn.Module, names: list[str], *args: object, **kw: object) -> None:
+    found = _pairs(model, *args, **kw)
+    missing = [n for n in names if (f"{n}.down.weight", f"{n}.up.weight") not in found]
+    assert not missing, f"not detected: {missing}"
+
+
+def _matrix(d_out: int, d_in: int, s: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    u, _ = torch.linalg.qr(torch.randn(d_out, d_out, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(d_in, d_in, generator=g, dtype=torch.float64))
+    k = s.numel()
+    return (u[:, :k] * s) @ v[:, :k].T
+
+
+@pytest.mark.parametrize("r", [4, 16, 40])
+def test_svd_error_is_eckart_young_bound(r: int) -> None:
+    s = torch.logspace(1, -2, 48, dtype=torch.float64)  # known singular values
+    w = _matrix(64, 48, s)
+    lin = nn.Linear(48, 64)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    model = nn.Sequential(lin)
+    x = torch.randn(5, 48)
+    report = to_low_rank(model, rank=r, method="svd")
+    bound = (s[r:].square().sum().sqrt() / s.square().sum().sqrt()).item()
+    (layer,) = report.layers
+    lr = model[0]
+    uv = (lr.up.weight @ lr.down.weight).double()
+    measured = (torch.linalg.matrix_norm(w - uv) / torch.linalg.matrix_norm(w)).item()
+    print(f"r={r}: bound {bound:.6e} report {layer.rel_error:.6e} measured {measured:.6e}")
+    assert isinstance(lr, LowRankLinear) and isinstance(lr.act, nn.Identity)
+    assert abs(layer.rel_error - bound) <= 1e-5
+    assert abs(measured - bound) <= 1e-5
+    # bias on the up factor; y = x (UV)^T + b
+    assert torch.allclose(model(x), x @ uv.float().T + lin.bias, atol=1e-5)
+
+
+def test_svd_higher_rank_strictly_lower_error() -> None:
+    torch.manual_seed(0)
+    # trained-like: a decaying spectrum plus noise
+    w = torch.randn(96, 8) @ torch.randn(8, 80) + 0.1 * torch.randn(96, 80)
+    errors = []
+    for r in (2, 4, 8, 16, 32, 64):
+        lin = nn.Linear(80, 96)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        model = nn.Sequential(lin)
+        errors.append(to_low_rank(model, rank=r, method="svd").layers[0].rel_error)
+    print("errors", errors)
+    assert all(a > b for a, b in zip(errors, errors[1:], strict=False))
+
+
+def test_cola_detected_and_initialised() -> None:
+    torch.manual_seed(0)
+    model, ids = Toy(), _ids()
+    report = to_low_rank(model)  # cola, rank_ratio 0.25
+    assert report.converted == PROJ
+    assert set(report.skipped) == {"lm_head"}
+    assert isinstance(model.lm_head, nn.Linear) and isinstance(model.embed, nn.Embedding)
+    assert all(isinstance(model.get_submodule(n).act, nn.SiLU) for n in PROJ)
+    assert [x.rank for x in report.layers] == [16] * 6
+    _assert_detected(model, PROJ, ids)
+    model(ids).sum().backward()  # still trains
+    # CoLA init: Var(up @ down) = 1 / (d_in + d_out), checked on a wide layer
+    big = nn.Sequential(nn.Linear(1024, 1024))
+    to_low_rank(big, rank=256)
+    prod = big[0].up.weight @ big[0].down.weight
+    assert prod.std().item() == pytest.approx(1 / math.sqrt(2048), rel=0.05)
+    assert big[0].down.weight.std().item() == pytest.approx(math.sqrt(2048**-0.5 / 16), rel=0.05)
+
+
+def test_include_exclude_and_multiple_of() -> None:
+    model = Toy()
+    report = to_low_rank(model, include="mlp", rank=8)  # a pattern covers descendants
+    assert report.converted == ["mlp.0", "mlp.2"]
+    assert isinstance(model.attn.q, nn.Linear)
+    model = Toy()
+    report = to_low_rank(model, exclude=["attn.[qk]", "mlp.2"])
+    assert report.converted == ["attn.v", "attn.o", "mlp.0"]
+    assert report.skipped["attn.q"].startswith("excluded")
+    model = Toy(d=64, ff=100)
+    report = to_low_rank(model, rank_ratio=0.3, multiple_of=8)  # 0.3 * 64 = 19.2 -> 16
+    assert {x.rank for x in report.layers} == {16}
+    # converting again finds only the factors and leaves them alone
+    assert to_low_rank(model).converted == []
+
+
+def test_heads_stay_dense_unless_named() -> None:
+    tied = Toy(tie=True)
+    report = to_low_rank(tied, include="*")
+    assert "lm_head" not in report.converted
+    assert "tied" in report.skipped["lm_head"]
+    assert tied.lm_head.weight is tied.embed.weight
+    with pytest.raises(UnsupportedModuleError, match="lm_head.*tied"):
+        to_low_rank(Toy(tie=True), include="lm_head")
+    untied = Toy()
+    assert to_low_rank(untied, include="lm_head", rank=16).converted == ["lm_head"]
+
+
+def test_report_totals_and_table() -> None:
+    model = Toy()
+    before = sum(p.numel() for p in model.parameters())
+    report = to_low_rank(model, rank=16, method="svd")
+    after = sum(p.numel() for p in model.parameters())
+    assert (report.model_params_before, report.model_params_after) == (before, after)
+    assert before - after == report.params_before - report.params_after
+    q = report.layers[0]  # attn.q: 64 -> 16 -> 64 with bias
+    assert (q.params_before, q.params_after) == (64 * 64 + 64, 16 * 128 + 64)
+    assert (q.flops_before, q.flops_after) == (2 * 64 * 64, 2 * 16 * 128)
+    assert report.flops_before == sum(2 * x.d_in * x.d_out for x in report.layers)
+    assert report.flops_after == sum(2 * x.rank * (x.d_in + x.d_out) for x in report.layers)
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(report)
+    text = buf.getvalue()
+    print(text)
+    assert "attn.q" in text and "total" in text and "lm_head" in text
+    assert f"{report.params_before:,} → {report.params_after:,}" in text
+    assert f"{q.rel_error:.4f}" in text
+
+
+def test_bad_input_names_the_module() -> None:
+    with pytest.raises(RankError, match="attn.q"):
+        to_low_rank(Toy(), rank=64)
+    with pytest.raises(PatternError, match="nothere"):
+        to_low_rank(Toy(), include="nothere.*")
+    with pytest.raises(UnsupportedModuleError, match="'embed' .Embedding."):
+        to_low_rank(Toy(), include="embed")
+    mha = nn.Sequential(nn.MultiheadAttention(64, 4))
+    with pytest.raises(UnsupportedModuleError, match="0.out_proj"):
+        to_low_rank(mha, include="0.out_proj")
+    assert list(to_low_rank(mha).skipped) == ["0.out_proj"]  # swept up: kept, with why
+    with pytest.raises(ValueError, match="method"):
+        to_low_rank(Toy(), method="tucker")
+    with pytest.raises(ValueError, match="multiple"):
+        to_low_rank(Toy(), rank=12, multiple_of=8)
+    model = Toy()
+    model.boost_plan = object()  # as parallelize leaves it
+    with pytest.raises(boost_compiler.BoostError, match="before parallelize"):
+        to_low_rank(model)
+
+
+# ---------------------------------------------------------------------------------
+# Hugging Face models from tiny configs (random weights, no downloads)
+# ---------------------------------------------------------------------------------
+
+
+def _gpt2() -> nn.Module:
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    return tf.GPT2LMHeadModel(cfg)
+
+
+def test_gpt2_conv1d_cola_detected_and_trains() -> None:
+    model = _gpt2()
+    ids = _ids()
+    report = to_low_rank(model)
+    names = [f"transformer.h.{i}.{m}" for i in range(2) for m in
+             ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]  # fmt: skip
+    assert report.converted == names
+    assert {x.kind for x in report.layers} == {"Conv1D"}
+    c_attn = report.layers[0]
+    assert (c_attn.d_in, c_attn.rank, c_attn.d_out) == (64, 16, 192)  # fused q/k/v
+    assert "tied" in report.skipped["lm_head"]
+    _assert_detected(model, names, ids, labels=ids)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_gpt2_conv1d_svd_matches_transposed_weight() -> None:
+    model = _gpt2()
+    w = model.transformer.h[0].attn.c_attn.weight.detach().T.double()  # [out, in]
+    report = to_low_rank(model, method="svd", rank=16)
+    s = torch.linalg.svdvals(w)
+    bound = (s[16:].square().sum().sqrt() / s.square().sum().sqrt()).item()
+    print(f"c_attn: bound {bound:.6e} report {report.layers[0].rel_error:.6e}")
+    assert abs(report.layers[0].rel_error - bound) <= 1e-5
+    ids = _ids()
+    assert torch.isfinite(model(ids, labels=ids).loss)
+
+
+def test_llama_cola_detected_and_trains() -> None:
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=96, max_position_embeddings=32,
+    )  # fmt: skip
+    model = tf.LlamaForCausalLM(cfg)
+    ids = _ids()
+    report = to_low_rank(model, multiple_of=8)
+    proj = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
+    names = [f"model.layers.{i}.{p}" for i in range(2) for p in proj]
+    assert report.converted == names
+    assert list(report.skipped) == ["lm_head"]
+    assert all(x.rank % 8 == 0 for x in report.layers)
+    _assert_detected(model, names, ids, labels=ids)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
