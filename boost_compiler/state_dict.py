@@ -4,8 +4,10 @@ Why: after ``parallelize`` every rank holds only its shards, under the original
 parameter names but with local shapes, so ``model.state_dict()`` is a per-rank
 fragment that no single-device model can load. :func:`gather_state_dict` all-gathers
 each sharded parameter along the dim it was split on (the placement ``parallelize``
-recorded in ``model.boost_plan``) and returns exactly what the unparallelized model's
-``state_dict()`` would: same names, global shapes, loadable with ``strict=True``.
+recorded in ``model.boost_plan``; a *blocked* shard, e.g. a fused q/k/v factor whose
+ranks each hold a slice of every block, is put back in global order) and returns
+exactly what the unparallelized model's ``state_dict()`` would: same names, global
+shapes, loadable with ``strict=True``.
 :func:`load_state_dict` is the inverse: every rank keeps its block of each tensor.
 
 Both copy values, never replace parameter objects: the optimizer and the compiled
@@ -83,6 +85,8 @@ def _gather_one(
 ) -> torch.Tensor:
     if placement.is_shard:
         full = _raw_all_gather(local.detach(), placement.dim, group, size)
+        if placement.blocks:  # [r0: b0/p b1/p .., r1: ..] -> [b0, b1, ..]
+            full = placement.unshard(full.chunk(size, placement.dim))
     elif placement.kind == "R":
         full = local.detach()
     else:
@@ -173,8 +177,8 @@ def load_state_dict(
             raise StateDictError(
                 f"'{key}': checkpoint shape {tuple(full.shape)} != model's global shape {shape}"
             )
-        if placement.is_shard:
-            full = full.chunk(size, dim=placement.dim)[rank]
+        if placement.is_shard:  # this rank's block (of every logical block, if blocked)
+            full = placement.shard(full, rank, size)
         elif placement.kind != "R":
             raise StateDictError(f"'{key}' has placement {placement}: cannot load it")
         local_sd[key] = full
