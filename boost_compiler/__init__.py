@@ -22,6 +22,16 @@ from __future__ import annotations
 
 from .backend import boost_backend
 from .capture import CapturedGraph, capture
+from .convert import (
+    ConversionError,
+    ConversionReport,
+    LayerConversion,
+    LowRankLinear,
+    PatternError,
+    RankError,
+    UnsupportedModuleError,
+    to_low_rank,
+)
 from .detect import Bottleneck, detect
 from .errors import (
     BoostError,
@@ -37,25 +47,37 @@ from .parallel import parallelize
 from .placement import Placement
 from .plan import TPPlan
 from .report import bottleneck_table
+from .state_dict import StateDictError, gather_state_dict, load_state_dict
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Bottleneck",
     "BoostError",
     "BoostOptions",
+    "Bottleneck",
     "CaptureError",
     "CapturedGraph",
+    "ConversionError",
+    "ConversionReport",
+    "LayerConversion",
+    "LowRankLinear",
     "MeshError",
     "OptionError",
     "OptionTypeError",
+    "PatternError",
     "Placement",
+    "RankError",
     "ShardingError",
+    "StateDictError",
     "TPPlan",
     "UnknownOptionError",
+    "UnsupportedModuleError",
     "boost_backend",
     "bottleneck_table",
     "capture",
     "detect",
+    "gather_state_dict",
+    "load_state_dict",
     "parallelize",
+    "to_low_rank",
 ]

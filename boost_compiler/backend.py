@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -101,12 +102,30 @@ def boost_backend(
         return _lower_with_inductor(gm, list(example_inputs), ran, opts, mode)
     # A parallelized model: run the rewritten graph on the real local shards in
     # place of the global-shape placeholders dynamo traced with.
-    local_inputs = [x._boost_local if i in shards else x for i, x in enumerate(example_inputs)]
+    local_inputs = _local_example_inputs(example_inputs, shards)
     if opts.settings["lowering"] == "eager":
         fn: Callable[..., Any] = gm.forward
     else:
         fn = _lower_with_inductor(gm, local_inputs, ran, opts, mode)
     return _with_local_shards(fn, {i: x._boost_local for i, x in shards.items()})
+
+
+def _local_example_inputs(example_inputs: Sequence[Any], shards: dict[int, Any]) -> list[Any]:
+    """The example inputs with each global placeholder replaced by this rank's shard.
+
+    The shards go in as static fake tensors of dynamo's fake mode. Dynamo
+    fakified the global placeholders (static: parameters), never the shards;
+    AOTAutograd would fakify a real shard itself and, under ``dynamic=True``,
+    give its sizes fresh symbols duck-sized onto equal activation sizes (a
+    16-row weight and a 16-token sequence share one symbol). No guard covers
+    that, and the next sequence length breaks the compiled graph.
+    """
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    out = list(example_inputs)
+    for i, x in shards.items():
+        local = x._boost_local
+        out[i] = local if fake_mode is None else fake_mode.from_tensor(local, static_shapes=True)
+    return out
 
 
 def _with_local_shards(fn: Callable[..., Any], local: dict[int, Any]) -> Callable[..., Any]:

@@ -63,6 +63,25 @@ def resolve_group(mesh_or_group: Any) -> TPGroup:
     return TPGroup(group_name_of(pg), dist.get_world_size(pg), dist.get_rank(pg))
 
 
+def synchronise_rng(group: TPGroup) -> None:
+    """Give every rank of the group rank 0's random state (CPU and current accelerator).
+
+    Why: the ranks then draw the same numbers in the same order, so dropout on
+    a replicated (r-dim) tensor produces one mask everywhere and the replicas
+    stay bit-identical; shards take their slice of a global mask
+    (:func:`~boost_compiler.tp_ops.sharded_dropout`). Megatron's tensor-parallel
+    ranks share their default generator's seed for the same reason.
+    """
+    pg = dist.distributed_c10d._resolve_process_group(group.name)
+    states: list[Any] = [torch.get_rng_state()]
+    if torch.cuda.is_available():  # the same on every rank, so the lists have one length
+        states.append(torch.cuda.get_rng_state())
+    dist.broadcast_object_list(states, group=pg, group_src=0)
+    torch.set_rng_state(states[0])
+    if len(states) > 1:
+        torch.cuda.set_rng_state(states[1])
+
+
 def local_shard(t: torch.Tensor, placement: Placement, group: TPGroup) -> torch.Tensor:
     return placement.shard(t.detach(), group.rank, group.size).clone()
 
@@ -106,6 +125,7 @@ def parallelize(
         plan.fallbacks += result.fallbacks
     # Every check above ran on the captured copy: nothing was modified before here.
     _shard_in_place(model, plan, group)
+    synchronise_rng(group)
     log.info(
         "parallelized %s over tp=%d: %d bottleneck(s), %d sharded parameter(s)",
         type(model).__name__,

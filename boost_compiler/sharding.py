@@ -63,7 +63,7 @@ _ELEMENTWISE_FN = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
     torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.exp,
     torch.sigmoid, torch.tanh, torch.relu, torch.where, torch.clone,
-    F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.leaky_relu, F.dropout,
+    F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.leaky_relu,
 }  # fmt: skip
 _ELEMENTWISE_METHOD = {
     "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "exp", "float", "half", "bfloat16",
@@ -263,6 +263,8 @@ class ShardingPropagator:
                 return self._contraction
             if t in _ELEMENTWISE_FN:
                 return self._elementwise
+            if t is F.dropout:
+                return self._dropout
             if t is F.embedding:
                 return self._embedding
             if t in (torch.rms_norm, F.rms_norm, F.layer_norm, torch.layer_norm):
@@ -409,6 +411,23 @@ class ShardingPropagator:
             return ()
         return sizes
 
+    def _dropout(self, node: fx.Node) -> None:
+        """Replicated input: plain dropout (synchronised streams give every rank one mask).
+
+        Sharded input: :func:`tp_ops.sharded_dropout`, independent masks per shard.
+        """
+        names = ("input", "p", "training", "inplace")
+        bound = {"p": 0.5, "training": True, **dict(zip(names, node.args, strict=False))}
+        bound.update(node.kwargs)
+        x = bound["input"]
+        pl = self.placement(x)
+        if not pl.is_shard:
+            return self._call_replicated(node, pl)
+        node.target = tp_ops.sharded_dropout
+        node.args = (x, bound["p"], bound["training"], pl.dim, self.rank, self.p)
+        node.kwargs = {}
+        self.set(node, pl)
+
     def _embedding(self, node: fx.Node) -> None:
         ids, weight = node.args[0], node.args[1]
         if weight in self.undecided:
@@ -444,6 +463,7 @@ class ShardingPropagator:
         for _ in range(stats):
             self._record("all_reduce", node, x, fwd=True, bwd=True, reason="norm statistics")
             self.result.collectives[-1].global_shape = (*shape_of(x)[:-1], 1)
+            self.result.collectives[-1].dtype = torch.float32  # tp_ops reduce stats in fp32
         self.set(node, S(nd - 1))
 
     def _shard_arg(self, prm: Any, node: fx.Node) -> Any:

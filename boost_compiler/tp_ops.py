@@ -66,3 +66,25 @@ def sharded_layer_norm(
     if bias is not None:
         y = y + bias
     return y
+
+
+def sharded_dropout(
+    x: torch.Tensor, p: float, training: bool, dim: int, rank: int, world: int
+) -> torch.Tensor:
+    """``F.dropout`` of a shard: this rank's slice of one mask drawn for the global shape.
+
+    Every rank of a tensor-parallel group draws from the same random stream
+    (``parallelize`` synchronises it), so dropping the local shard directly
+    would give each rank the *same* mask pattern: correlated across shards.
+    Drawing the global mask and keeping this rank's slice gives independent,
+    correctly distributed masks per shard and keeps the streams in lockstep
+    (every rank consumes the same numbers), which is what keeps dropout on
+    replicated tensors bit-identical across ranks. The cost is p times the
+    random numbers of the shard, only where dropout is on.
+    """
+    if not training or p == 0.0:
+        return x
+    shape = list(x.shape)
+    shape[dim] *= world
+    keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p)
+    return x * keep.narrow(dim, rank * x.shape[dim], x.shape[dim]) / (1.0 - p)

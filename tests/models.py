@@ -376,6 +376,31 @@ class NormBetween(nn.Module):
         return self.up(self.norm(self.down(x)))
 
 
+class DropoutCola(nn.Module):
+    """Embedding, two bottlenecks with dropout on the r-dim latent AND on the hidden shard.
+
+    Returns ``(logits, latent, dropped)``: the latent is replicated under BTP
+    (its mask must be one mask on every rank), ``dropped`` a hidden-shard
+    tensor (its masks must differ between shards).
+    """
+
+    def __init__(self, vocab: int = 96, d: int = 64, rank: int = 16, p: float = 0.5) -> None:
+        super().__init__()
+        self.p = p
+        self.embed = nn.Embedding(vocab, d)
+        self.down1, self.up1 = nn.Linear(d, rank, bias=False), nn.Linear(rank, d, bias=False)
+        self.down2, self.up2 = nn.Linear(d, rank, bias=False), nn.Linear(rank, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.embed(ids)
+        latent = F.dropout(F.silu(self.down1(h)), self.p, self.training)
+        dropped = F.dropout(self.up1(latent), self.p, self.training)
+        h = h + dropped
+        h = h + self.up2(F.silu(self.down2(h)))
+        return self.head(h), latent, dropped
+
+
 def _hidden(d: int = 64) -> torch.Tensor:
     return torch.randn(BATCH, SEQ, d)
 

@@ -7,15 +7,24 @@ import pytest
 from tests.tp_harness import RTOL, run_world
 
 MODELS = ["make_cola_llama", "make_cola_ref_layout", "make_gpt2_svd", "make_gqa_cola"]
-TWO = [(f"{m}/eager", "compare_training", (m, False)) for m in MODELS] + [
+TWO = [
+    *[(f"{m}/eager", "compare_training", (m, False)) for m in MODELS],
+    *[(f"{m}/compiled", "compare_training", (m, True)) for m in MODELS],
+    ("shapes/eager", "other_shapes_and_kwargs", (False,)),
+    ("shapes/compiled", "other_shapes_and_kwargs", (True,)),
+    ("dropout/eager", "dropout_masks", (False,)),
+    ("dropout/compiled", "dropout_masks", (True,)),
+    ("memory", "param_memory", ()),
+]
+# GQA's 2 kv heads do not divide over 4 ranks; the others do. Compiling on 4
+# processes sharing 2 CI cores is slow, so one compiled model covers p=4.
+FOUR = [
+    *[(f"{m}/eager", "compare_training", (m, False)) for m in MODELS[:3]],
     ("make_cola_llama/compiled", "compare_training", ("make_cola_llama", True)),
-    ("shapes", "other_shapes_and_kwargs", ()),
     ("memory", "param_memory", ()),
 ]
-# GQA's 2 kv heads do not divide over 4 ranks; the others do.
-FOUR = [(f"{m}/eager", "compare_training", (m, False)) for m in MODELS[:3]] + [
-    ("memory", "param_memory", ()),
-]
+EXACT_TWO = [k for k, f, _ in TWO if f == "compare_training"]
+EXACT_FOUR = [k for k, f, _ in FOUR if f == "compare_training"]
 
 
 @pytest.fixture(scope="module")
@@ -36,26 +45,42 @@ def _check_exact(res: dict) -> None:
     assert res["losses"][0] != res["losses"][-1]  # it trained
 
 
-@pytest.mark.parametrize("key", [k for k, *_ in TWO if "/" in k])
+@pytest.mark.parametrize("key", EXACT_TWO)
 def test_exact_on_2_ranks(two: dict, key: str) -> None:
     _check_exact(two[key])
 
 
-@pytest.mark.parametrize("key", [k for k, *_ in FOUR if "/" in k])
+@pytest.mark.parametrize("key", EXACT_FOUR)
 def test_exact_on_4_ranks(four: dict, key: str) -> None:
     _check_exact(four[key])
 
 
-def test_llama_needs_no_fallback(two: dict) -> None:
-    assert two["make_cola_llama/eager"]["fallbacks"] == []
-    assert two["make_gqa_cola/eager"]["fallbacks"] == []
+@pytest.mark.parametrize("key", EXACT_TWO + [f"4:{k}" for k in EXACT_FOUR])
+def test_no_fallback_anywhere(two: dict, four: dict, key: str) -> None:
+    """Every example model is fully sharded: no gather fallback at plan or compile time."""
+    res = four[key[2:]] if key.startswith("4:") else two[key]
+    assert "error" not in res, res.get("error")
+    assert res["fallbacks"] == [] and res["warnings"] == [], (res["fallbacks"], res["warnings"])
 
 
-def test_other_batch_seq_kwargs_and_eval(two: dict) -> None:
-    res = two["shapes"]
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_other_batch_seq_kwargs_and_eval(two: dict, mode: str) -> None:
+    res = two[f"shapes/{mode}"]
     assert "error" not in res, res.get("error")
     print(res)
+    assert len(res) == (5 if mode == "eager" else 2)
     assert all(err <= RTOL for err in res.values()), res
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_dropout_replicas_agree_and_shards_differ(two: dict, mode: str) -> None:
+    """Ranks start from different random streams; dropout stays consistent anyway."""
+    res = two[f"dropout/{mode}"]
+    assert "error" not in res, res.get("error")
+    print(res)
+    assert res["latent_diff"] == [0.0, 0.0]  # the r-dim latent: one mask on every rank
+    assert res["same_mask"] == [False, False]  # hidden shards: independent masks
+    assert all(0.4 < rate < 0.6 for rate in res["drop_rate"])  # p = 0.5
 
 
 @pytest.mark.parametrize("world", [2, 4])

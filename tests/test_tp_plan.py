@@ -78,3 +78,46 @@ def test_example_inputs_that_do_not_run() -> None:
         bad = (torch.randn(2, 16),)  # floats where token ids are expected
         with pytest.raises(boost_compiler.CaptureError, match="did not run"):
             boost_compiler.parallelize(model, dist.group.WORLD, bad)
+
+
+_AR = {
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_reduce_.default,
+}
+_AG = {torch.ops._c10d_functional.all_gather_into_tensor.default}
+
+
+def _collectives_of(gm: torch.fx.GraphModule) -> list[tuple[str, tuple[int, ...]]]:
+    found = []
+    for node in gm.graph.nodes:
+        kind = "all_reduce" if node.target in _AR else "all_gather" if node.target in _AG else ""
+        if kind:
+            found.append((kind, tuple(node.args[0].meta["val"].shape)))
+    return found
+
+
+def test_inductor_graphs_hold_exactly_the_planned_collectives() -> None:
+    """What Inductor lowers (post-grad fwd and bwd graphs) carries the rank-dim collectives."""
+    graphs: list[list[tuple[str, tuple[int, ...]]]] = []
+    with fake_process_group(2):
+        model = build("tiny")
+        cfg = model.cfg
+        (ids,) = example_inputs(cfg, batch=2, seq=16)
+        boost_compiler.parallelize(model, dist.group.WORLD, (ids,), {"labels": ids})
+        record = {
+            "post_grad_custom_pre_pass": lambda g: graphs.append(_collectives_of(g.owning_module))
+        }
+        run = torch.compile(model, backend="boost", options={"inductor_config": record})
+        run(ids, labels=ids).backward()
+    assert len(graphs) == 2, "expected one forward and one backward graph"
+    fwd, bwd = graphs
+    b, s, r, d, layers = 2, 16, cfg.rank, cfg.d_model, cfg.n_layers
+    downs, norms = 7 * layers, 2 * layers + 1
+    assert fwd.count(("all_reduce", (b, s, r))) == downs  # one per down factor
+    assert fwd.count(("all_reduce", (b, s, 1))) == norms  # RMSNorm statistics
+    assert fwd.count(("all_gather", (b, s, d // 2))) == 1  # before the LM head
+    assert len(fwd) == downs + norms + 1
+    assert bwd.count(("all_reduce", (b, s, r))) == downs  # dL/d(latent) of each up factor
+    assert bwd.count(("all_reduce", (b, s, 1))) == norms  # statistics' gradients
+    assert len(bwd) == downs + norms
+    assert not [c for c in fwd + bwd if c[1][-1] in (d, d // 2) and c[0] == "all_reduce"]

@@ -96,8 +96,13 @@ class _WarningLog(logging.Handler):
         return self.messages
 
 
-def other_shapes_and_kwargs(*, world: int, mesh: Any) -> dict[str, Any]:
-    """Parallelize with one example, then call with other batch/seq sizes, labels, eval."""
+def other_shapes_and_kwargs(compiled: bool, *, world: int, mesh: Any) -> dict[str, Any]:
+    """Parallelize with one example, then call with other batch/seq sizes, labels, eval.
+
+    Compiled (``dynamic=True``: one graph with symbolic batch and sequence sizes,
+    so the sharding rules run on SymInts), the two new shapes only: each extra
+    graph costs a full compile on a 2-core CI machine.
+    """
     import boost_compiler
     from examples.cola_llama import build, example_inputs
 
@@ -105,20 +110,47 @@ def other_shapes_and_kwargs(*, world: int, mesh: Any) -> dict[str, Any]:
     ref = copy.deepcopy(model)
     cfg = model.cfg
     boost_compiler.parallelize(model, mesh, example_inputs(cfg, batch=2, seq=16))
+    run = torch.compile(model, backend="boost", dynamic=True) if compiled else model
     errs = {}
     for name, (b, s) in {"batch3": (3, 16), "seq24": (2, 24), "b1s8": (1, 8)}.items():
+        if compiled and b == 1:
+            continue  # size 1 is always specialised: a second graph, no new coverage
         (ids,) = example_inputs(cfg, batch=b, seq=s, seed=b * 100 + s)
-        errs[name] = _rel(model(ids), ref(ids))
+        errs[name] = _rel(run(ids), ref(ids))
+    if compiled:
+        return errs
     (ids,) = example_inputs(cfg, batch=2, seq=16, seed=7)
     errs["labels"] = (
-        abs(model(ids, labels=ids).item() - ref(ids, labels=ids).item())
-        / ref(ids, labels=ids).item()
+        abs(run(ids, labels=ids).item() - ref(ids, labels=ids).item()) / ref(ids, labels=ids).item()
     )
     model.eval()
     ref.eval()
     with torch.no_grad():
-        errs["eval_no_grad"] = _rel(model(ids), ref(ids))
+        errs["eval_no_grad"] = _rel(run(ids), ref(ids))
     return errs
+
+
+def dropout_masks(compiled: bool, *, world: int, mesh: Any) -> dict[str, Any]:
+    """Dropout on: the replicated latent agrees across ranks, shard masks do not repeat."""
+    import boost_compiler
+    from tests.models import DropoutCola
+
+    torch.manual_seed(100 + dist.get_rank())  # ranks start from different streams
+    model = DropoutCola()
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    boost_compiler.parallelize(model, mesh, (ids,))
+    run = torch.compile(model, backend="boost") if compiled else model
+    latent_diffs, same_mask, drop_rate = [], [], []
+    for _ in range(2):
+        logits, latent, dropped = run(ids)
+        logits.float().pow(2).mean().backward()
+        parts = [torch.empty_like(latent) for _ in range(world)]
+        dist.all_gather(parts, latent.contiguous())
+        latent_diffs.append(max((q - parts[0]).abs().max().item() for q in parts))
+        zeros = (dropped == 0).chunk(world, dim=-1)  # dropped is the gathered global tensor
+        same_mask.append(all(torch.equal(zeros[0], z) for z in zeros[1:]))
+        drop_rate.append((latent == 0).float().mean().item())
+    return {"latent_diff": latent_diffs, "same_mask": same_mask, "drop_rate": drop_rate}
 
 
 def param_memory(*, world: int, mesh: Any) -> dict[str, Any]:
