@@ -25,6 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from ._logging import get_logger
 from .capture import placeholder_names
 from .errors import OptionTypeError
+from .graph_dump import GraphDumper
 from .options import BoostOptions
 from .passes import PIPELINE, BoostPass, PassContext
 from .passes.base import _digest
@@ -57,6 +58,8 @@ class _PipelineFingerprint(CustomGraphPass):
 def run_pipeline(gm: fx.GraphModule, ctx: PassContext, options: BoostOptions) -> list[BoostPass]:
     """Run the enabled passes in order on ``gm``; returns the pass objects run."""
     ran: list[BoostPass] = []
+    dump = GraphDumper(options.settings.get("dump_dir"))
+    dump("input", gm)
     for cls in PIPELINE:
         if not options.enabled(cls.name):
             log.debug("pass %s switched off", cls.name)
@@ -64,6 +67,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, options: BoostOptions) ->
         p = cls(ctx, options.passes[cls.name])
         p(gm.graph)
         ran.append(p)
+        dump(cls.name, gm)
     gm.recompile()
     return ran
 
