@@ -29,9 +29,9 @@ from .capture import capture
 from .collectives import group_name_of
 from .detect import find_bottlenecks
 from .errors import MeshError
+from .passes import TP_PASSES, PassContext
 from .placement import Placement, R
 from .plan import TPPlan
-from .sharding import ShardingPropagator
 
 log = get_logger(__name__)
 
@@ -116,9 +116,12 @@ def parallelize(
     plan = TPPlan(p=group.size, group=group.name)
     for g in graphs:
         bottlenecks = find_bottlenecks(g.gm, g.param_names)
-        result = ShardingPropagator(
-            g.gm, g.param_names, bottlenecks, group.size, group.name, group.rank, plan.params
-        ).run()
+        # The same passes the backend runs by default, so the plan lists the
+        # collectives a default torch.compile(backend="boost") executes.
+        ctx = PassContext(g.param_names, bottlenecks, tp=group, fixed=dict(plan.params))
+        for cls in TP_PASSES:
+            cls(ctx)(g.gm.graph)
+        result = ctx.notes["btp"]
         plan.params.update(result.params)
         plan.bottlenecks += bottlenecks
         plan.collectives += result.collectives

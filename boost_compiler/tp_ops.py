@@ -88,3 +88,91 @@ def sharded_dropout(
     shape[dim] *= world
     keep = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p)
     return x * keep.narrow(dim, rank * x.shape[dim], x.shape[dim]) / (1.0 - p)
+
+
+def batched_linear(
+    xs: list[torch.Tensor], ws: list[torch.Tensor], bs: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """``[F.linear(x, w, b) for ...]`` for same-shape weights as one ``bmm``.
+
+    The inputs share their shape too (sibling latents of one token batch), so
+    stacking them is a copy of ``n`` narrow ``[..., r]`` tensors; the stacked
+    weights are ``n`` small ``[d_out/p, r]`` matrices.
+    """
+    x = torch.stack(xs)
+    lead = x.shape[1:-1]
+    y = torch.bmm(x.reshape(len(xs), -1, x.shape[-1]), torch.stack(ws).transpose(1, 2))
+    if bs is not None:
+        y = y + torch.stack(bs).unsqueeze(1)
+    return list(y.reshape(len(xs), *lead, y.shape[-1]).unbind(0))
+
+
+def online_rms_norm_reduce(
+    partials: list[torch.Tensor], x: torch.Tensor, eps: float | None, d: int, group: str
+) -> list[torch.Tensor]:
+    """Row-parallel GEMMs after an RMSNorm, with the norm deferred into their all-reduce.
+
+    ``partials[i]`` is ``(x * w) @ A_i`` on this rank's hidden shard. RMSNorm
+    scales each token by ``rsqrt(mean(x^2) + eps)``, a per-token scalar, and a
+    GEMM over the hidden dim commutes with it, so
+    ``rms_norm(x) @ A = rsqrt(sum(x^2)/d + eps) * ((x * w) @ A)``: exact. The
+    local sum of squares rides in the SAME all-reduce as the partials.
+
+    Precision: the payload is fp32 whatever the activations' dtype. The
+    statistic must keep fp32 accuracy (torch computes norm statistics in
+    fp32), and a bf16 sum of bf16 pieces cannot give that; splitting the
+    statistic into bf16 hi/lo parts does not help either, because the
+    collective rounds each partial SUM to bf16. Upcasting the bf16 partials
+    costs 2 bytes per latent element on the wire and makes their sum more
+    accurate than the single-device bf16 GEMM output, which is then rounded
+    back to the activation dtype.
+    """
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    sizes = [p.shape[-1] for p in partials]
+    ss = x.float().pow(2).sum(-1, keepdim=True)
+    total = reduce_from_tp(torch.cat([*(p.float() for p in partials), ss], -1), group)
+    *sums, ss_total = total.split([*sizes, 1], -1)
+    scale = torch.rsqrt(ss_total / d + eps)
+    return [(s * scale).to(p.dtype) for s, p in zip(sums, partials, strict=True)]
+
+
+def online_layer_norm_reduce(
+    partials: list[torch.Tensor],
+    w_partials: list[torch.Tensor],
+    b_partials: list[torch.Tensor] | None,
+    x: torch.Tensor,
+    eps: float | None,
+    d: int,
+    group: str,
+) -> list[torch.Tensor]:
+    """LayerNorm deferred into the row-parallel all-reduce (see the RMSNorm version).
+
+    ``layer_norm(x) @ A = rstd * ((x*w) @ A - mean * (w @ A)) + b @ A`` with
+    ``mean, rstd`` from the token's sum and sum of squares. ``w @ A`` and
+    ``b @ A`` (``w_partials`` / ``b_partials``, one ``[r]`` vector per factor)
+    are partial too; they travel flattened at the end of the same payload.
+    The variance is ``E[x^2] - E[x]^2`` in fp32: one pass, so it can be sent
+    with the partials; it loses accuracy only when ``|mean| >> std``.
+    """
+    eps = 1e-5 if eps is None else eps
+    sizes = [p.shape[-1] for p in partials]
+    xf = x.float()
+    per_token = torch.cat(
+        [*(p.float() for p in partials), xf.sum(-1, keepdim=True), xf.pow(2).sum(-1, keepdim=True)],
+        -1,
+    )
+    consts = torch.cat([q.float() for q in [*w_partials, *(b_partials or [])]])
+    flat = reduce_from_tp(torch.cat([per_token.flatten(), consts]), group)
+    tokens = flat[: per_token.numel()].view(per_token.shape)
+    *sums, s1, s2 = tokens.split([*sizes, 1, 1], -1)
+    rest = flat[per_token.numel() :]
+    w_a = rest[: sum(sizes)].split(sizes)
+    b_a = rest[sum(sizes) :].split(sizes) if b_partials else [None] * len(sizes)
+    mean = s1 / d
+    rstd = torch.rsqrt((s2 / d - mean * mean).clamp_min(0) + eps)
+    out = []
+    for s, wa, ba, p in zip(sums, w_a, b_a, partials, strict=True):
+        y = rstd * (s - mean * wa)
+        out.append((y + ba if ba is not None else y).to(p.dtype))
+    return out

@@ -10,7 +10,20 @@ from __future__ import annotations
 from .base import BoostPass, PassContext
 from .btp import BottleneckTP
 from .detect_bottlenecks import DetectBottlenecks
+from .group_linears import GroupLinears
+from .online_norm import OnlineNorm
 
-PIPELINE: tuple[type[BoostPass], ...] = (DetectBottlenecks, BottleneckTP)
+PIPELINE: tuple[type[BoostPass], ...] = (DetectBottlenecks, BottleneckTP, GroupLinears, OnlineNorm)
+# What parallelize() runs on its captured graphs to build the plan (detection aside).
+TP_PASSES: tuple[type[BoostPass], ...] = (BottleneckTP, GroupLinears, OnlineNorm)
 
-__all__ = ["PIPELINE", "BoostPass", "BottleneckTP", "PassContext", "DetectBottlenecks"]
+__all__ = [
+    "PIPELINE",
+    "TP_PASSES",
+    "BoostPass",
+    "BottleneckTP",
+    "DetectBottlenecks",
+    "GroupLinears",
+    "OnlineNorm",
+    "PassContext",
+]
