@@ -15,6 +15,8 @@ TWO = [
     ("dropout/eager", "dropout_masks", (False,)),
     ("dropout/compiled", "dropout_masks", (True,)),
     ("memory", "param_memory", ()),
+    ("passes_on_vs_off", "passes_on_vs_off", ()),
+    ("bf16", "bf16_accuracy", ()),
 ]
 # GQA's 2 kv heads do not divide over 4 ranks; the others do. Compiling on 4
 # processes sharing 2 CI cores is slow, so one compiled model covers p=4.
@@ -91,3 +93,21 @@ def test_per_rank_parameter_memory(two: dict, four: dict, world: int) -> None:
     print(f"p={world}: {res['local']:,} bytes per rank of {res['total']:,} (bound {bound:,.0f})")
     assert res["local"] <= bound
     assert res["sharded"] > 0.5 * res["total"]
+
+
+def test_group_linears_and_online_norm_change_no_number(two: dict) -> None:
+    """Compiled with the passes vs without them, directly: losses and local gradients."""
+    res = two["passes_on_vs_off"]
+    assert "error" not in res, res.get("error")
+    print(res)
+    assert res["loss_err"] <= RTOL and res["grad_err"] <= RTOL
+
+
+def test_bf16_online_norm_adds_no_error(two: dict) -> None:
+    """bf16 activations: the fused payload is fp32, and TP is as close to fp32 as one device."""
+    res = two["bf16"]
+    assert "error" not in res, res.get("error")
+    print(res)
+    assert res["fused_payload_dtype"] == "torch.float32"
+    assert res["tp_bf16_err"] <= 1.5 * res["single_bf16_err"] + 1e-4
+    assert res["tp_vs_single"] < 5e-3

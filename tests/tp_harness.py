@@ -130,6 +130,75 @@ def other_shapes_and_kwargs(compiled: bool, *, world: int, mesh: Any) -> dict[st
     return errs
 
 
+def passes_on_vs_off(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
+    """Compiled, default passes vs ``group_linears``/``online_norm`` off: same numbers."""
+    import boost_compiler
+    from tests import models
+
+    model, inputs = models.make_cola_llama(seed=3)
+    off = copy.deepcopy(model)
+    kw = {"labels": inputs[0]}
+    for m in (model, off):
+        boost_compiler.parallelize(m, mesh, inputs, kw)
+    runs = [
+        torch.compile(model, backend="boost"),
+        torch.compile(off, backend="boost", options={"group_linears": False, "online_norm": False}),
+    ]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, off)]
+    loss_err = grad_err = 0.0
+    for _ in range(steps):
+        losses = [run(*inputs, **kw) for run in runs]
+        for opt, loss in zip(opts, losses, strict=True):
+            opt.zero_grad()
+            loss.backward()
+        loss_err = max(loss_err, abs(losses[0].item() - losses[1].item()) / losses[1].item())
+        for p, q in zip(model.parameters(), off.parameters(), strict=True):
+            grad_err = max(grad_err, _rel(p.grad, q.grad))
+        for opt in opts:
+            opt.step()
+    return {"loss_err": loss_err, "grad_err": grad_err}
+
+
+def bf16_accuracy(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
+    """bf16 activations: TP (fused fp32 statistics payload) vs one device, both vs fp32.
+
+    The parallel run's distance to the fp32 reference should be that of the
+    single-device bf16 run: the online norm must not add error of its own.
+    """
+    import boost_compiler
+    from tests import models
+
+    ref32, inputs = models.make_cola_llama(seed=4)
+    single = copy.deepcopy(ref32).to(torch.bfloat16)
+    model = copy.deepcopy(single)
+    kw = {"labels": inputs[0]}
+    boost_compiler.parallelize(model, mesh, inputs, kw)
+    losses: dict[str, list[float]] = {"fp32": [], "single_bf16": [], "tp_bf16": []}
+    for name, m in (("fp32", ref32), ("single_bf16", single), ("tp_bf16", model)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(steps):
+            loss = m(*inputs, **kw)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.float().item())
+
+    def err(name: str) -> float:
+        return max(abs(a - b) / b for a, b in zip(losses[name], losses["fp32"], strict=True))
+
+    plan = model.boost_plan
+    fused = [c for c in plan.collectives if c.reason.startswith("online norm")]
+    return {
+        "losses": losses,
+        "single_bf16_err": err("single_bf16"),
+        "tp_bf16_err": err("tp_bf16"),
+        "tp_vs_single": max(
+            abs(a - b) / b for a, b in zip(losses["tp_bf16"], losses["single_bf16"], strict=True)
+        ),
+        "fused_payload_dtype": str(fused[0].dtype) if fused else None,
+    }
+
+
 def dropout_masks(compiled: bool, *, world: int, mesh: Any) -> dict[str, Any]:
     """Dropout on: the replicated latent agrees across ranks, shard masks do not repeat."""
     import boost_compiler
