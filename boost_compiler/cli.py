@@ -52,6 +52,10 @@ COMMANDS: dict[str, CommandSpec] = {
         "boost_compiler.cli:COST",
         "per-layer TP communication, GEMM intensity and alpha-beta estimate (cost model)",
     ),
+    "explain": CommandSpec(
+        "boost_compiler.explain.command:EXPLAIN",
+        "what boost finds and what each pass does, on a simulated TP group; writes report.html",
+    ),
 }
 
 

@@ -3,7 +3,16 @@
 Set ``BOOST_DUMP_DIR=/some/dir`` (or the backend option ``dump_dir``) and every
 compiled graph gets a folder ``<dir>/graph_<n>/`` with ``00_input.py``, then
 one ``<i>_<pass>.py`` per pass that ran: the readable code of the graph after
-that pass, so ``diff`` shows exactly what a pass changed on your model.
+that pass, so ``diff`` shows exactly what a pass changed on your model. Beside
+each ``.py``: ``<i>_<pass>.layers.dot`` (the graph collapsed to one box per
+layer) and ``<i>_<pass>.dot`` (every node, coloured by placement, collectives
+as hexagons) for graphs of at most :data:`MAX_FULL_NODES` nodes, each with
+its ``.svg`` when graphviz's ``dot`` is installed.
+
+With torch's structured trace on (``TORCH_TRACE=/tmp/trace``), each stage is
+also emitted as an artifact ``boost_<i>_<pass>`` (the readable code), so
+``tlparse`` lists the boost passes beside dynamo's and Inductor's graphs. That
+costs nothing when tracing is off.
 """
 
 from __future__ import annotations
@@ -13,28 +22,93 @@ import os
 from pathlib import Path
 
 import torch.fx as fx
+from torch._logging import trace_structured
+from torch._logging._internal import trace_log
 
 from ._logging import get_logger
 
 log = get_logger(__name__)
 ENV_VAR = "BOOST_DUMP_DIR"
+MAX_FULL_NODES = 600  # larger graphs get the per-layer drawing only (dot is slow on thousands)
 _graph_ids = itertools.count()
 
 
-class GraphDumper:
-    """Writes the stages of one graph; a no-op when no directory is configured."""
+def tracing() -> bool:
+    """Whether torch's structured trace (``TORCH_TRACE``) is being written."""
+    return bool(trace_log.handlers)
 
-    def __init__(self, out_dir: str | None = None) -> None:
+
+class GraphDumper:
+    """Writes the stages of one graph; a no-op when no directory is configured and no
+    structured trace is on.
+
+    ``name`` names the graph's folder (default ``graph_<n>``, n counting the graphs of
+    this process); ``drawings=False`` writes the code only.
+    """
+
+    def __init__(
+        self, out_dir: str | None = None, name: str | None = None, drawings: bool = True
+    ) -> None:
         root = out_dir or os.environ.get(ENV_VAR)
-        self.dir = Path(root) / f"graph_{next(_graph_ids)}" if root else None
+        self.name = name or f"graph_{next(_graph_ids)}"
+        self.dir = Path(root) / self.name if root else None
+        self.drawings = drawings
         self.step = 0
 
-    def __call__(self, stage: str, gm: fx.GraphModule) -> None:
+    def __call__(self, stage: str, gm: fx.GraphModule, ctx: object = None) -> None:
+        """Dump ``gm`` as it is after ``stage``; ``ctx`` (a PassContext) adds the recorded
+        collectives and bottlenecks to the drawings."""
+        trace = tracing()
+        if self.dir is None and not trace:
+            return
+        gm.recompile()
+        slug = f"{self.step:02d}_{stage}"
+        self.step += 1
+        code = gm.print_readable(print_output=False)
+        if trace:
+            trace_structured(
+                "artifact",
+                metadata_fn=lambda: {"name": f"boost_{slug}", "encoding": "string"},
+                payload_fn=lambda: code,
+            )
         if self.dir is None:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        gm.recompile()
-        path = self.dir / f"{self.step:02d}_{stage}.py"
-        path.write_text(gm.print_readable(print_output=False))
-        self.step += 1
+        path = self.dir / f"{slug}.py"
+        path.write_text(code)
         log.debug("boost: wrote %s", path)
+        if self.drawings:
+            self._draw(slug, stage, gm, ctx)
+
+    def _draw(self, slug: str, stage: str, gm: fx.GraphModule, ctx: object) -> None:
+        from .explain import draw
+
+        assert self.dir is not None
+        params = dict(getattr(ctx, "param_names", None) or {})
+        if not params:
+            from .capture import fqn_from_source
+
+            for n in gm.graph.nodes:
+                source = getattr(n.meta.get("grapharg"), "source", None)
+                fqn = fqn_from_source(source.name) if source is not None else None
+                if n.op == "placeholder" and fqn:
+                    params[n.name] = fqn
+        records = None
+        for note in (getattr(ctx, "notes", None) or {}).values():
+            colls = getattr(note, "collectives", None)
+            if isinstance(colls, list):
+                records = (records or []) + colls
+        view = draw.GraphView(
+            gm, params, None, records, getattr(ctx, "bottlenecks", ()) or (),
+            title=f"{self.name} after {stage}",
+        )  # fmt: skip
+        draw.render(view.model_dot(), self.dir / f"{slug}.layers.dot")
+        if len(view.nodes) <= MAX_FULL_NODES:
+            draw.render(view.full_dot(), self.dir / f"{slug}.dot")
+        if tracing():
+            text = view.model_dot()
+            trace_structured(
+                "artifact",
+                metadata_fn=lambda: {"name": f"boost_{slug}_layers_dot", "encoding": "string"},
+                payload_fn=lambda: text,
+            )
