@@ -42,6 +42,7 @@ from .errors import (
     ShardingError,
     UnknownOptionError,
 )
+from .explain import Report, explain
 from .options import BoostOptions
 from .parallel import parallelize
 from .placement import Placement
@@ -67,6 +68,7 @@ __all__ = [
     "PatternError",
     "Placement",
     "RankError",
+    "Report",
     "ShardingError",
     "StateDictError",
     "TPPlan",
@@ -76,6 +78,7 @@ __all__ = [
     "bottleneck_table",
     "capture",
     "detect",
+    "explain",
     "gather_state_dict",
     "load_state_dict",
     "parallelize",

@@ -59,7 +59,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, options: BoostOptions) ->
     """Run the enabled passes in order on ``gm``; returns the pass objects run."""
     ran: list[BoostPass] = []
     dump = GraphDumper(options.settings.get("dump_dir"))
-    dump("input", gm)
+    dump("input", gm, ctx)
     for cls in PIPELINE:
         if not options.enabled(cls.name):
             log.debug("pass %s switched off", cls.name)
@@ -67,7 +67,7 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, options: BoostOptions) ->
         p = cls(ctx, options.passes[cls.name])
         p(gm.graph)
         ran.append(p)
-        dump(cls.name, gm)
+        dump(cls.name, gm, ctx)
     gm.recompile()
     return ran
 

@@ -28,7 +28,11 @@ SETTINGS: dict[str, Setting] = {
         (str,), "inductor", "how the rewritten graph runs", choices=("inductor", "eager")
     ),
     "inductor_config": Setting((dict,), None, "extra Inductor config patches passed to compile_fx"),
-    "dump_dir": Setting((str,), None, "write each pass's graph here (also: $BOOST_DUMP_DIR)"),
+    "dump_dir": Setting(
+        (str,),
+        None,
+        "write each pass's graph (code, DOT/SVG drawings) here (also: $BOOST_DUMP_DIR)",
+    ),
 }
 
 

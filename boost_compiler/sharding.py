@@ -120,6 +120,8 @@ class ShardingPropagator:
                 self.env[node] = R
         for node in self.undecided:  # parameters only ever used replicated
             self._decide(node, R)
+        for node, pl in self.env.items():  # for drawings and dumps (boost explain)
+            node.meta["boost_placement"] = pl
         self.graph.lint()
         self.gm.recompile()
         return self.result
