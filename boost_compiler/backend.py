@@ -24,7 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ._logging import get_logger
 from .capture import placeholder_names
-from .errors import OptionTypeError
+from .errors import OptionTypeError, ShardingError
 from .graph_dump import GraphDumper
 from .options import BoostOptions
 from .passes import PIPELINE, BoostPass, PassContext
@@ -111,7 +111,7 @@ def boost_backend(
         fn: Callable[..., Any] = gm.forward
     else:
         fn = _lower_with_inductor(gm, local_inputs, ran, opts, mode)
-    return _with_local_shards(fn, {i: x._boost_local for i, x in shards.items()})
+    return _with_local_shards(fn, sorted(shards), ctx.tp)
 
 
 def _local_example_inputs(example_inputs: Sequence[Any], shards: dict[int, Any]) -> list[Any]:
@@ -132,12 +132,29 @@ def _local_example_inputs(example_inputs: Sequence[Any], shards: dict[int, Any])
     return out
 
 
-def _with_local_shards(fn: Callable[..., Any], local: dict[int, Any]) -> Callable[..., Any]:
-    def swap(args: Sequence[Any]) -> list[Any]:
-        return [local.get(i, a) for i, a in enumerate(args)]
+def _with_local_shards(fn: Callable[..., Any], positions: list[int], tp: Any) -> Callable[..., Any]:
+    """Call ``fn`` with each placeholder argument replaced by its local shard, per call.
 
-    # dynamo calls a backend's result positionally (compile_fx's result included).
-    return lambda *args: fn(*swap(args))
+    The shard is looked up on the argument at run time, never bound at compile
+    time: dynamo lifts parameters to graph inputs without guarding on their
+    identity, so two parallelized instances of one model class share this
+    compiled graph, and each must run on its own shards.
+    """
+
+    def run(*args: Any) -> Any:
+        args_ = list(args)
+        for i in positions:
+            placeholder = args_[i]
+            if placeholder._boost_group != tp:
+                raise ShardingError(
+                    f"a graph compiled for tensor-parallel group {tp} was called with "
+                    f"parameter {placeholder._boost_fqn!r} of group {placeholder._boost_group}; "
+                    "compile each differently parallelized model separately"
+                )
+            args_[i] = placeholder._boost_local
+        return fn(*args_)  # dynamo calls a backend's result positionally
+
+    return run
 
 
 def _lower_with_inductor(

@@ -17,6 +17,7 @@ TWO = [
     ("memory", "param_memory", ()),
     ("passes_on_vs_off", "passes_on_vs_off", ()),
     ("bf16", "bf16_accuracy", ()),
+    ("two_instances", "two_instances", ()),
 ]
 # GQA's 2 kv heads do not divide over 4 ranks; the others do. Compiling on 4
 # processes sharing 2 CI cores is slow, so one compiled model covers p=4.
@@ -111,3 +112,9 @@ def test_bf16_online_norm_adds_no_error(two: dict) -> None:
     assert res["fused_payload_dtype"] == "torch.float32"
     assert res["tp_bf16_err"] <= 1.5 * res["single_bf16_err"] + 1e-4
     assert res["tp_vs_single"] < 5e-3
+
+
+def test_two_instances_of_one_class_use_their_own_shards(two: dict) -> None:
+    res = two["two_instances"]
+    assert "error" not in res, res.get("error")
+    assert all(err <= RTOL for err in res["errs"]), res

@@ -159,6 +159,23 @@ def passes_on_vs_off(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]
     return {"loss_err": loss_err, "grad_err": grad_err}
 
 
+def two_instances(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Two parallelized models of one class share a compiled graph, never their shards."""
+    import boost_compiler
+    from examples.cola_llama import build, example_inputs
+
+    models = [build("tiny", seed=s) for s in (11, 12)]
+    refs = [copy.deepcopy(m) for m in models]
+    (ids,) = example_inputs(models[0].cfg, batch=2, seq=16)
+    errs = []
+    for m in models:
+        boost_compiler.parallelize(m, mesh, (ids,))
+    runs = [torch.compile(m, backend="boost", options={"lowering": "eager"}) for m in models]
+    for run, ref in zip(runs, refs, strict=True):
+        errs.append(_rel(run(ids), ref(ids)))
+    return {"errs": errs}
+
+
 def bf16_accuracy(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
     """bf16 activations: TP (fused fp32 statistics payload) vs one device, both vs fp32.
 
@@ -197,6 +214,61 @@ def bf16_accuracy(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
         ),
         "fused_payload_dtype": str(fused[0].dtype) if fused else None,
     }
+
+
+def checkpoint_modes(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Saved-activation bytes, backward collectives and numbers for checkpoint off/on/full.
+
+    CoLA-LLaMA at d=256, r=64, b=2, s=128 (the issue's size), compiled. Bytes
+    per layer are the increment from 1 to 2 layers, so the embedding, final norm
+    and LM head cancel. Saved tensors are what the compiled forward hands to
+    autograd for the backward (``saved_tensors_hooks``), parameters excluded.
+    """
+    import boost_compiler
+    from examples.cola_llama import build, example_inputs
+
+    out: dict[str, Any] = {}
+    for layers in (1, 2):
+        ref = build("tiny", seed=5, d_model=256, rank=64, d_ff=688, n_layers=layers)
+        (ids,) = example_inputs(ref.cfg, batch=2, seq=128, seed=6)
+        for mode in (False, True, "full") if layers == 2 else (False, True):
+            model = copy.deepcopy(ref)
+            boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
+            run = torch.compile(model, backend="boost", options={"checkpoint": mode})
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            saved: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, saved=saved, params=params) -> torch.Tensor:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in params:
+                    saved[ptr] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = run(ids, labels=ids)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                loss.backward()
+            gloo = sum(e.name.startswith("gloo:") for e in prof.events())
+            grads = [p.grad.clone() for p in model.parameters()]
+            out[f"{mode}/{layers}"] = {
+                "saved": sum(saved.values()),
+                "bwd_collectives": gloo,
+                "loss": loss.item(),
+                "grads": grads,
+            }
+    base = out["False/2"]
+    res: dict[str, Any] = {}
+    for mode in ("False", "True"):
+        res[f"per_layer_{mode}"] = out[f"{mode}/2"]["saved"] - out[f"{mode}/1"]["saved"]
+    for mode in ("False", "True", "full"):
+        run_ = out[f"{mode}/2"]
+        res[f"bwd_collectives_{mode}"] = run_["bwd_collectives"]
+        res[f"loss_err_{mode}"] = abs(run_["loss"] - base["loss"]) / base["loss"]
+        res[f"grad_err_{mode}"] = max(
+            _rel(a, b) for a, b in zip(run_["grads"], base["grads"], strict=True)
+        )
+    res["ratio"] = res["per_layer_True"] / res["per_layer_False"]
+    return res
 
 
 def dropout_masks(compiled: bool, *, world: int, mesh: Any) -> dict[str, Any]:

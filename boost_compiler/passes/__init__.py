@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from .base import BoostPass, PassContext
 from .btp import BottleneckTP
+from .checkpoint import Checkpoint
 from .detect_bottlenecks import DetectBottlenecks
 from .group_linears import GroupLinears
 from .online_norm import OnlineNorm
 
-PIPELINE: tuple[type[BoostPass], ...] = (DetectBottlenecks, BottleneckTP, GroupLinears, OnlineNorm)
+PIPELINE: tuple[type[BoostPass], ...] = (
+    DetectBottlenecks,
+    BottleneckTP,
+    GroupLinears,
+    OnlineNorm,
+    Checkpoint,
+)
 # What parallelize() runs on its captured graphs to build the plan (detection aside).
 TP_PASSES: tuple[type[BoostPass], ...] = (BottleneckTP, GroupLinears, OnlineNorm)
 
@@ -22,6 +29,7 @@ __all__ = [
     "TP_PASSES",
     "BoostPass",
     "BottleneckTP",
+    "Checkpoint",
     "DetectBottlenecks",
     "GroupLinears",
     "OnlineNorm",
