@@ -32,7 +32,8 @@ against the single-device model's (column "loss err").
 What is counted
 ---------------
 Every profiler event whose name starts with ``gloo:`` during the profiled step on rank 0
-(``torch.profiler``, CPU activity, ``record_shapes=True``). Those are the backend's own
+(``torch.profiler``, CPU activity, ``record_shapes=True``; ``benchmarks/_profile.py``, shared
+with ``bench.py``). Those are the backend's own
 events, one per collective that runs, whatever issued it (c10d, functional collectives,
 DTensor redistribution, compiled graphs). Their ``input_shapes`` / ``input_dtypes`` record
 the tensor(s) that the rank *contributes*:
@@ -56,182 +57,50 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
-import tempfile
-import time
-import traceback
-from collections import Counter
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `examples` lives in the repository root, not in the package
+if str(ROOT) not in sys.path:  # `examples` and `benchmarks` live in the repository root
     sys.path.insert(0, str(ROOT))
 
-STRATEGIES = ("boost", "dtensor-lowrank", "dtensor-dense")
+from benchmarks._profile import (  # noqa: E402
+    BACKWARD_MARK,
+    STRATEGIES,
+    ModelSpec,
+    count_collectives,
+    fmt_bytes,
+    make_model,
+    parallelize,
+    scalar,
+    spawn,
+)
+
 DEPTHS = (2, 4)
-PROJS = {
-    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "mlp": ("gate_proj", "up_proj", "down_proj"),
-}
-
-_DTYPE_BYTES = {
-    "float": 4,
-    "double": 8,
-    "c10::Half": 2,
-    "c10::BFloat16": 2,
-    "long int": 8,
-    "int": 4,
-    "short int": 2,
-    "signed char": 1,
-    "unsigned char": 1,
-    "bool": 1,
-    "c10::Float8_e4m3fn": 1,
-    "c10::Float8_e5m2": 1,
-}
-
-
-# --------------------------------------------------------------------------- models and plans
-
-
-def _make_model(strategy: str, n_layers: int, args: argparse.Namespace) -> nn.Module:
-    from examples.cola_llama import LowRankLinear, build
-
-    model = build(
-        "tiny",
-        seed=0,
-        vocab_size=args.vocab,
-        d_model=args.d,
-        d_ff=args.ff,
-        rank=args.rank,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        n_layers=n_layers,
-        max_seq_len=max(256, args.seq),
-    )
-    if strategy == "dtensor-dense":
-        torch.manual_seed(1)
-        for block in model.layers:
-            for sub, names in PROJS.items():
-                parent = getattr(block, sub)
-                for name in names:
-                    lr = getattr(parent, name)
-                    assert isinstance(lr, LowRankLinear)
-                    dense = nn.Linear(lr.down.in_features, lr.up.out_features, bias=False)
-                    setattr(parent, name, dense)
-    return model
-
-
-def _dtensor_plan(strategy: str, n_layers: int) -> dict[str, Any]:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan: dict[str, Any] = {}
-    for i in range(n_layers):
-        for sub, names in PROJS.items():
-            for name in names:
-                fqn = f"layers.{i}.{sub}.{name}"
-                if strategy == "dtensor-lowrank":
-                    # Megatron on each factor pair: split r.
-                    plan[f"{fqn}.down"] = ColwiseParallel()
-                    plan[f"{fqn}.up"] = RowwiseParallel()
-                elif name in ("o_proj", "down_proj"):
-                    plan[fqn] = RowwiseParallel()
-                else:
-                    plan[fqn] = ColwiseParallel()
-    return plan
-
-
-def _parallelize(strategy: str, model: nn.Module, mesh: Any, ids: torch.Tensor, world: int) -> None:
-    if strategy == "boost":
-        import boost_compiler
-
-        boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
-        return
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    parallelize_module(model, mesh, _dtensor_plan(strategy, len(model.layers)))
-    if strategy == "dtensor-dense":
-        for block in model.layers:  # heads are sharded: the views must use local counts
-            attn = block.attn
-            if attn.n_heads % world or attn.n_kv_heads % world:
-                raise ValueError(
-                    f"heads ({attn.n_heads}, {attn.n_kv_heads}) not divisible by {world}"
-                )
-            attn.n_heads //= world
-            attn.n_kv_heads //= world
 
 
 # --------------------------------------------------------------------------- measurement
 
 
-def _elem_bytes(dtype: str) -> int:
-    if dtype in _DTYPE_BYTES:
-        return _DTYPE_BYTES[dtype]
-    try:  # e.g. "c10::Float8_e4m3fnuz"
-        return getattr(torch, dtype.split("::")[-1].lower()).itemsize
-    except AttributeError:
-        print(
-            f"warning: unknown dtype {dtype!r} in a gloo event; assuming 4 bytes", file=sys.stderr
-        )
-        return 4
+def _spec(args: argparse.Namespace, n_layers: int) -> ModelSpec:
+    return ModelSpec(
+        d=args.d, ff=args.ff, rank=args.rank, layers=n_layers, heads=args.heads,
+        kv_heads=args.kv_heads, vocab=args.vocab, batch=args.batch, seq=args.seq,
+    )  # fmt: skip
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _collectives(prof: Any, world: int) -> dict[str, Any]:
-    events = prof.events()
-    bwd_start = min(
-        (e.time_range.start for e in events if e.name == "comm_per_layer::backward"),
-        default=float("inf"),
-    )
-    out: dict[str, Any] = {
-        "count": 0,
-        "bytes": 0,
-        "contributed_bytes": 0,
-        "fwd": {"count": 0, "bytes": 0},
-        "bwd": {"count": 0, "bytes": 0},
-        "by_op": {},
-        "shapes": Counter(),
-    }
-    for e in events:
-        if not e.name.startswith("gloo:"):
-            continue
-        dtypes = list(e.input_dtypes or [])
-        contributed = 0
-        for i, shape in enumerate(e.input_shapes or []):
-            if shape:
-                contributed += _numel(shape) * _elem_bytes(
-                    dtypes[i] if i < len(dtypes) else "float"
-                )
-        logical = contributed * world if e.name == "gloo:all_gather" else contributed
-        phase = "bwd" if e.time_range.start >= bwd_start else "fwd"
-        out["count"] += 1
-        out["bytes"] += logical
-        out["contributed_bytes"] += contributed
-        out[phase]["count"] += 1
-        out[phase]["bytes"] += logical
-        op = out["by_op"].setdefault(e.name, {"count": 0, "bytes": 0})
-        op["count"] += 1
-        op["bytes"] += logical
-        shapes = "+".join(str(list(s)) for s in e.input_shapes or [])
-        out["shapes"][f"{phase} {e.name} {shapes} {','.join(dtypes)}"] += 1
-    out["shapes"] = dict(sorted(out["shapes"].items()))
-    return out
+def _make_model(strategy: str, n_layers: int, args: argparse.Namespace) -> nn.Module:
+    return make_model(strategy, _spec(args, n_layers))
 
 
 def _measure(strategy: str, n_layers: int, args: argparse.Namespace, mesh: Any, world: int) -> dict:
+    import time
+
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from examples.cola_llama import example_inputs
@@ -242,11 +111,11 @@ def _measure(strategy: str, n_layers: int, args: argparse.Namespace, mesh: Any, 
     ref_loss = copy.deepcopy(model)(ids, labels=ids).item()
 
     t0 = time.perf_counter()
-    _parallelize(strategy, model, mesh, ids, world)
+    parallelize(strategy, model, mesh, ids, world)
     t_par = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    loss = model(ids, labels=ids)  # warm-up: compiles (boost), fills caches
+    loss = model(ids, labels=ids)  # warm-up: fills caches
     loss.backward()
     model.zero_grad(set_to_none=True)
     t_warm = time.perf_counter() - t0
@@ -255,10 +124,10 @@ def _measure(strategy: str, n_layers: int, args: argparse.Namespace, mesh: Any, 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         with record_function("comm_per_layer::forward"):
             loss = model(ids, labels=ids)
-        with record_function("comm_per_layer::backward"):
+        with record_function(BACKWARD_MARK):
             loss.backward()
-    res = _collectives(prof, world)
-    loss_v = float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach())
+    res = count_collectives(prof, world)
+    loss_v = scalar(loss)
     res.update(
         n_layers=n_layers,
         loss=loss_v,
@@ -270,73 +139,29 @@ def _measure(strategy: str, n_layers: int, args: argparse.Namespace, mesh: Any, 
     return res
 
 
-def _worker(
-    rank: int, world: int, strategy: str, args: argparse.Namespace, store: str, out_dir: str
-) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, world),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=args.timeout),
-    )
-    result: dict[str, Any] = {"strategy": strategy, "rank": rank, "depths": {}}
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        for n_layers in DEPTHS:
-            result["depths"][str(n_layers)] = _measure(strategy, n_layers, args, mesh, world)
-    except BaseException as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
-        raise
-    finally:
-        Path(out_dir, f"{strategy}.rank{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
+def measure_depths(
+    *, rank: int, world: int, mesh: Any, strategy: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Spawned on every rank: one profiled eager step at each depth of :data:`DEPTHS`."""
+    depths = {str(n): _measure(strategy, n, args, mesh, world) for n in DEPTHS}
+    return {"strategy": strategy, "depths": depths}
 
 
-def _run_strategy(strategy: str, args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
-    store = tempfile.mktemp(prefix=f"comm_{strategy}_", dir=out_dir)
-    t0 = time.perf_counter()
-    ctx = mp.start_processes(
-        _worker,
-        args=(args.tp, strategy, args, store, out_dir),
-        nprocs=args.tp,
-        join=False,
-        start_method="spawn",
-    )
-    error = None
-    try:
-        while not ctx.join(timeout=5):
-            if time.perf_counter() - t0 > args.timeout * 2:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                error = f"timed out after {args.timeout * 2} s"
-                break
-    except Exception as exc:  # ProcessRaisedException / ProcessExitedException
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc) else ''}"
-    results = {}
-    for r in range(args.tp):
-        f = Path(out_dir, f"{strategy}.rank{r}.json")
-        if f.exists():
-            results[r] = json.loads(f.read_text())
-    res = results.get(0, {"strategy": strategy, "depths": {}})
-    failed = [r for r in results.values() if "error" in r]
-    if failed or error:
-        res["error"] = failed[0]["error"] if failed else error
-        res["traceback"] = failed[0].get("traceback", "") if failed else ""
-        res["failed_rank"] = failed[0]["rank"] if failed else None
+def _run_strategy(strategy: str, args: argparse.Namespace) -> dict[str, Any]:
+    res = spawn(
+        "benchmarks.comm_per_layer:measure_depths", args.tp,
+        {"strategy": strategy, "args": args}, timeout_s=args.timeout * 2, tag=strategy,
+    )  # fmt: skip
+    res.setdefault("strategy", strategy)
+    res.setdefault("depths", {})
     # The collectives must be the same on every rank; say so if not.
     counts = {
-        r: [d.get("count") for d in v["depths"].values()]
-        for r, v in results.items()
-        if "error" not in v
+        r.get("rank"): [d.get("count") for d in r.get("depths", {}).values()]
+        for r in res.get("per_rank", [])
+        if "error" not in r
     }
     res["ranks_agree"] = len({tuple(c) for c in counts.values()}) <= 1
-    res["wall_s"] = time.perf_counter() - t0
+    res.pop("per_rank", None)
     return res
 
 
@@ -373,14 +198,6 @@ def _per_layer(res: dict[str, Any], key: str, tokens: int) -> float | None:
         return float(v)
 
     return (get(hi) - get(lo)) / (DEPTHS[1] - DEPTHS[0]) / tokens
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -451,8 +268,8 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
             str(lo.get("count", "-")),
             str(hi.get("count", "-")),
             "-" if c is None else f"{c:g} ({fc:g}+{bc:g})",
-            _fmt_bytes(lo["bytes"]) if lo else "-",
-            _fmt_bytes(hi["bytes"]) if hi else "-",
+            fmt_bytes(lo["bytes"]) if lo else "-",
+            fmt_bytes(hi["bytes"]) if hi else "-",
             "-" if b is None else f"{b:.0f} ({fb:.0f}+{bb:.0f})",
             f"{an['total']:.0f} ({an['fwd']:.0f}+{an['bwd']:.0f})",
             "-" if b is None or not boost_b else f"{b / boost_b:.2f}x ({fb / boost_fb:.2f}x)",
@@ -507,14 +324,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ap.error(f"unknown strategy {s!r}; choose from {STRATEGIES}")
 
     results: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="comm_per_layer_") as out_dir:
-        for s in strategies:
-            results[s] = _run_strategy(s, args, out_dir)
-            print(
-                f"[{s}] done in {results[s]['wall_s']:.1f} s"
-                + (f" -- ERROR: {results[s]['error']}" if "error" in results[s] else ""),
-                flush=True,
-            )
+    for s in strategies:
+        results[s] = _run_strategy(s, args)
+        print(
+            f"[{s}] done in {results[s]['wall_s']:.1f} s"
+            + (f" -- ERROR: {results[s]['error']}" if "error" in results[s] else ""),
+            flush=True,
+        )
     summary = _report(results, args)
     line = json.dumps(summary, default=str)
     print(

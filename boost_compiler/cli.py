@@ -56,6 +56,7 @@ COMMANDS: dict[str, CommandSpec] = {
         "boost_compiler.explain.command:EXPLAIN",
         "what boost finds and what each pass does, on a simulated TP group; writes report.html",
     ),
+    "bench": CommandSpec("boost_compiler.bench_cli:BENCH", "measured: boost vs DTensor TP"),
 }
 
 

@@ -1,0 +1,218 @@
+"""The prepared single-GPU run, for when a GPU machine is lent: one command, under 8 minutes.
+
+    python benchmarks/gpu.py --out "$OUT"          # or: bash benchmarks/gpu.sh --out "$OUT"
+
+1. Compiled training throughput of the ~1B CoLA-LLaMA preset (``examples/cola_llama.py``
+   "1b": d=2048, d_ff=5472, r=512, 24 layers, 32 heads, vocab 32000; ~0.6B parameters, named
+   after the dense model of its width) on one GPU, bf16 parameters, fused AdamW:
+   ``torch.compile(model, backend="boost")`` vs ``backend="inductor"``; tokens/s and MFU
+   (model FLOPs per token ``6 N + 12 L d s``, N = parameters without the embedding table, over
+   the GPU's dense bf16 peak; PaLM's convention, no causal discount).
+2. The GEMM microbench (``benchmarks/gemm.py``) at the paper's 7B shapes in bf16 (d=4096,
+   d_ff=11008, r=1024, TP4, M = b*s = 4096): achieved TFLOP/s and % of peak per strategy.
+
+Without a CUDA GPU it exits at once with status 2 and says so. A ``--budget-s`` guard skips
+what would not finish in time. Writes ``gpu.json`` and ``tables.txt`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+NO_GPU_EXIT = 2
+# dense bf16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name()
+PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def require_gpu() -> Any:
+    """The CUDA device, or exit with a clear message (before anything slow happens)."""
+    try:
+        import torch
+    except ImportError:
+        print("benchmarks/gpu.py: torch is not installed in this Python", file=sys.stderr)
+        raise SystemExit(NO_GPU_EXIT) from None
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        print(
+            f"benchmarks/gpu.py: no CUDA GPU available (torch {torch.__version__}, {build}); "
+            "this script is the prepared run for a GPU machine. On CPU use `boost bench`.",
+            file=sys.stderr,
+        )
+        raise SystemExit(NO_GPU_EXIT)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _backend(name: str) -> Any:
+    """``"boost"`` through its entry point when installed, else the backend function itself."""
+    import torch
+
+    if name == "boost" and "boost" not in torch._dynamo.list_backends():
+        from boost_compiler import boost_backend
+
+        return boost_backend  # a checkout run with PYTHONPATH=. (not pip-installed)
+    return name
+
+
+def train(
+    backend: str, args: argparse.Namespace, device: Any, peak: float | None, deadline: float
+) -> dict[str, Any]:
+    import torch
+
+    from examples.cola_llama import build, example_inputs
+
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    model = build(args.config, device=device, seed=0).to(torch.bfloat16)
+    cfg = model.cfg
+    n_params = sum(p.numel() for p in model.parameters())
+    n_flop = n_params - model.embed.weight.numel()
+    flops_per_token = 6 * n_flop + 12 * cfg.n_layers * cfg.d_model * args.seq
+    ids = [example_inputs(cfg, args.batch, args.seq, device=device, seed=i)[0] for i in range(2)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    run = torch.compile(model, backend=_backend(backend))
+
+    def step(i: int) -> torch.Tensor:
+        x = ids[i % 2]
+        loss = run(x, labels=x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    loss0 = float(step(0))  # compiles
+    compile_s = time.perf_counter() - t0
+    for i in range(1, args.warmup):
+        step(i)
+    torch.cuda.synchronize(device)
+    times = []
+    for i in range(args.steps):
+        if time.perf_counter() > deadline:
+            break
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step(args.warmup + i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    if not times:
+        raise TimeoutError("no timed step fitted in the time budget")
+    times.sort()
+    med = times[len(times) // 2]
+    tokens = args.batch * args.seq
+    out = {
+        "backend": backend,
+        "params": n_params,
+        "flops_per_token": flops_per_token,
+        "compile_s": compile_s,
+        "step_s": med,
+        "steps": len(times),
+        "tokens_per_s": tokens / med,
+        "tflops": flops_per_token * tokens / med / 1e12,
+        "mfu": flops_per_token * tokens / med / peak if peak else None,
+        "loss_first": loss0,
+        "loss_last": float(loss),
+        "max_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument(
+        "--out", default=None, help="folder for gpu.json (default: bench-results/gpu-<time>)"
+    )
+    ap.add_argument("--config", default="1b", help="examples/cola_llama.py preset to train")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (median)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--backends", default="boost,inductor")
+    ap.add_argument("--parts", default="train,gemm", help="train, gemm or both")
+    ap.add_argument("--gemm-config", default="7b", help="benchmarks/gemm.py scale")
+    ap.add_argument("--gemm-tp", type=int, default=4)
+    ap.add_argument("--gemm-batch", type=int, default=1)
+    ap.add_argument("--gemm-seq", type=int, default=4096)
+    ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (MFU)")
+    ap.add_argument("--budget-s", type=float, default=450, help="skip what would run past this")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    device = require_gpu()  # fail fast, before the heavy imports
+
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from rich.console import Console
+    from rich.table import Table
+
+    from benchmarks import gemm as gemm_mod
+
+    console = Console(record=True, width=150)
+    name = torch.cuda.get_device_name(device)
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else next(
+        (v for k, v in PEAKS.items() if k in name), None
+    )  # fmt: skip
+    out_dir = Path(args.out or f"bench-results/gpu-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not torch.__version__.startswith("2.13"):
+        console.print(f"[yellow]torch {torch.__version__}: boost-compiler is tested with 2.13[/]")
+    record: dict[str, Any] = {
+        "device": name, "torch": torch.__version__, "peak_flops": peak, "args": vars(args),
+        "train": {}, "gemm": [],
+    }  # fmt: skip
+    deadline = t_start + args.budget_s
+    parts = args.parts.split(",")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if "train" in parts:
+        for backend in args.backends.split(","):
+            if time.perf_counter() > deadline - 60:
+                record["train"][backend] = {"error": "skipped: time budget"}
+                continue
+            try:
+                record["train"][backend] = train(backend, args, device, peak, deadline - 30)
+            except Exception as exc:  # the other backend and the GEMMs still run
+                record["train"][backend] = {"error": f"{type(exc).__name__}: {exc}"}
+            console.print(f"{backend}: {record['train'][backend]}", markup=False)
+        t = Table(
+            title=f"{args.config} CoLA-LLaMA, 1 GPU ({name}), bf16, b={args.batch}, "
+            f"s={args.seq}, compiled training (fwd+bwd+fused AdamW)",
+            title_justify="left",
+        )
+        for c in ("backend", "ms/step", "tokens/s", "TFLOP/s", "MFU", "compile s", "mem GiB"):
+            t.add_column(c, justify="left" if c == "backend" else "right")
+        for backend, r in record["train"].items():
+            if "error" in r:
+                t.add_row(backend, f"[red]{r['error'][:80]}[/]", *["-"] * 5)
+                continue
+            mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] else "-"
+            t.add_row(backend, f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
+                      f"{r['tflops']:.1f}", mfu, f"{r['compile_s']:.0f}",
+                      f"{r['max_memory_gib']:.1f}")  # fmt: skip
+        console.print(t)
+    if "gemm" in parts:
+        if time.perf_counter() > deadline - 20:
+            console.print("GEMM microbench skipped: time budget")
+        else:
+            record["gemm"] = gemm_mod.run(
+                [args.gemm_config], tp=args.gemm_tp, dtype="bf16", device=str(device),
+                batch=args.gemm_batch, seq=args.gemm_seq,
+            )  # fmt: skip
+            console.print(gemm_mod.table(record["gemm"], peak / 1e12 if peak else None))
+    record["wall_s"] = time.perf_counter() - t_start
+    (out_dir / "gpu.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    console.save_text(str(out_dir / "tables.txt"))
+    console.print(f"wrote {out_dir / 'gpu.json'} in {record['wall_s']:.0f} s", markup=False)
+    failed = [b for b, r in record["train"].items() if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
