@@ -109,9 +109,32 @@ def boost_backend(
     local_inputs = _local_example_inputs(example_inputs, shards)
     if opts.settings["lowering"] == "eager":
         fn: Callable[..., Any] = gm.forward
+    elif opts.settings["compile_in_turns"]:
+        fn = _in_turns(ctx.tp, lambda: _lower_with_inductor(gm, local_inputs, ran, opts, mode))
     else:
         fn = _lower_with_inductor(gm, local_inputs, ran, opts, mode)
     return _with_local_shards(fn, sorted(shards), ctx.tp)
+
+
+def _in_turns(tp: Any, compile_: Callable[[], Any]) -> Any:
+    """Compile on one rank of the group after another (option ``compile_in_turns``).
+
+    The ranks' graphs differ only in a few rank offsets, so most generated
+    kernels are identical: with a shared Inductor cache directory, rank i>0
+    finds them compiled by rank 0 instead of compiling them again on the same
+    cores at the same time. The backward graph is compiled now too (not lazily
+    at the first backward), inside this rank's turn. Turns are taken with
+    barriers on the group's own process group, outside any traced code; every
+    rank compiles the same graphs in the same order (SPMD), so they match.
+    """
+    pg = torch.distributed.distributed_c10d._resolve_process_group(tp.name)
+    fn = None
+    for turn in range(tp.size):
+        if turn == tp.rank:
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                fn = compile_()
+        torch.distributed.barrier(group=pg)
+    return fn
 
 
 def _local_example_inputs(example_inputs: Sequence[Any], shards: dict[int, Any]) -> list[Any]:

@@ -7,6 +7,7 @@ settings are not passes; they are listed in :data:`SETTINGS`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,12 @@ SETTINGS: dict[str, Setting] = {
         (str,), "inductor", "how the rewritten graph runs", choices=("inductor", "eager")
     ),
     "inductor_config": Setting((dict,), None, "extra Inductor config patches passed to compile_fx"),
+    "compile_in_turns": Setting(
+        (bool,),
+        lambda: os.environ.get("BOOST_COMPILE_IN_TURNS", "0") == "1",
+        "parallelized models: ranks compile one after another, reusing each other's kernels "
+        "from a shared Inductor cache (for ranks sharing CPU cores; $BOOST_COMPILE_IN_TURNS=1)",
+    ),
     "dump_dir": Setting(
         (str,),
         None,
@@ -69,7 +76,7 @@ class BoostOptions:
             chosen[name] = value
         settings: dict[str, Any] = {}
         for name, s in SETTINGS.items():
-            value = options.get(name, s.default)
+            value = options.get(name, s.default() if callable(s.default) else s.default)
             if value is not None and not isinstance(value, s.types):
                 raise OptionTypeError(
                     f"boost option {name!r} ({s.doc}) must be "

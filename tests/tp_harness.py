@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -216,7 +217,16 @@ def bf16_accuracy(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
     }
 
 
-def checkpoint_modes(*, world: int, mesh: Any) -> dict[str, Any]:
+_COLLECTIVE_OPS = {
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.all_reduce_.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
+}
+
+
+def checkpoint_modes(
+    full: bool = False, *, world: int, mesh: Any, steps_time: int = 0
+) -> dict[str, Any]:
     """Saved-activation bytes, backward collectives and numbers for checkpoint off/on/full.
 
     CoLA-LLaMA at d=256, r=64, b=2, s=128 (the issue's size), compiled. Bytes
@@ -231,10 +241,15 @@ def checkpoint_modes(*, world: int, mesh: Any) -> dict[str, Any]:
     for layers in (1, 2):
         ref = build("tiny", seed=5, d_model=256, rank=64, d_ff=688, n_layers=layers)
         (ids,) = example_inputs(ref.cfg, batch=2, seq=128, seed=6)
-        for mode in (False, True, "full") if layers == 2 else (False, True):
+        for mode in (False, True, "full") if layers == 2 and full else (False, True):
             model = copy.deepcopy(ref)
             boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
-            run = torch.compile(model, backend="boost", options={"checkpoint": mode})
+            graphs: list[int] = []  # collectives per Inductor graph: [forward, backward]
+            record = {"post_grad_custom_pre_pass": lambda g, graphs=graphs: graphs.append(
+                sum(n.target in _COLLECTIVE_OPS for n in g.nodes)
+            )}  # fmt: skip
+            options = {"checkpoint": mode, "inductor_config": record}
+            run = torch.compile(model, backend="boost", options=options)
             params = {p.untyped_storage().data_ptr() for p in model.parameters()}
             saved: dict[int, int] = {}
 
@@ -250,7 +265,14 @@ def checkpoint_modes(*, world: int, mesh: Any) -> dict[str, Any]:
                 loss.backward()
             gloo = sum(e.name.startswith("gloo:") for e in prof.events())
             grads = [p.grad.clone() for p in model.parameters()]
+            times = []
+            for _ in range(steps_time):  # step time, for the benchmark (median)
+                start = time.perf_counter()
+                run(ids, labels=ids).backward()
+                times.append(time.perf_counter() - start)
             out[f"{mode}/{layers}"] = {
+                "graph_collectives": graphs,
+                "step_s": sorted(times)[len(times) // 2] if times else None,
                 "saved": sum(saved.values()),
                 "bwd_collectives": gloo,
                 "loss": loss.item(),
@@ -260,9 +282,11 @@ def checkpoint_modes(*, world: int, mesh: Any) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for mode in ("False", "True"):
         res[f"per_layer_{mode}"] = out[f"{mode}/2"]["saved"] - out[f"{mode}/1"]["saved"]
-    for mode in ("False", "True", "full"):
+    for mode in ("False", "True", "full") if full else ("False", "True"):
         run_ = out[f"{mode}/2"]
+        res[f"step_s_{mode}"] = run_["step_s"]
         res[f"bwd_collectives_{mode}"] = run_["bwd_collectives"]
+        res[f"graph_collectives_{mode}"] = run_["graph_collectives"]
         res[f"loss_err_{mode}"] = abs(run_["loss"] - base["loss"]) / base["loss"]
         res[f"grad_err_{mode}"] = max(
             _rel(a, b) for a, b in zip(run_["grads"], base["grads"], strict=True)
@@ -317,17 +341,19 @@ def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) ->
 
     mesh = init_device_mesh("cpu", (world,))
     results: dict[str, Any] = {}
-    for key, fn_name, args in checks:
+    for key, fn_name, args, *kwargs in checks:
         torch.manual_seed(0)
         try:
-            results[key] = globals()[fn_name](*args, world=world, mesh=mesh)
+            results[key] = globals()[fn_name](
+                *args, **(kwargs[0] if kwargs else {}), world=world, mesh=mesh
+            )
         except Exception:  # reported to the test, which fails with the traceback
             results[key] = {"error": traceback.format_exc()}
     Path(f"{out}.{rank}").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
-def run_world(world: int, checks: list[tuple[str, str, tuple]]) -> dict[str, Any]:
+def run_world(world: int, checks: list[tuple]) -> dict[str, Any]:
     """Spawn ``world`` ranks once; return rank 0's results (errors from any rank)."""
     tmp = tempfile.mkdtemp(prefix="boost-tp-")
     store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out")
@@ -339,3 +365,57 @@ def run_world(world: int, checks: list[tuple[str, str, tuple]]) -> dict[str, Any
             if isinstance(val, dict) and "error" in val:
                 results[key] = {"error": f"rank {r}: {val['error']}"}
     return results
+
+
+def compare_training_hf(
+    maker: str, compiled: bool, *maker_args: Any, world: int, mesh: Any, steps: int = 3,
+    lr: float = 0.1,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`compare_training` for models called with ``labels=`` that return ``.loss``.
+
+    ``tests.models.<maker>(0, *maker_args)`` builds the model (Hugging Face
+    ``*ForCausalLM`` after conversion, or any model whose output has ``loss``
+    and ``logits``). The loss is the model's own (HF's causal-LM loss function),
+    so the label shift, flattening and cross-entropy run inside the sharded
+    graph. Besides losses and gathered gradients, the first step's logits.
+    """
+    import boost_compiler
+    from tests import models
+
+    warned = _WarningLog()
+    model, inputs = getattr(models, maker)(0, *maker_args)
+    ref = copy.deepcopy(model)
+    kw = {"labels": inputs[0]}
+    boost_compiler.parallelize(model, mesh, inputs, kw)
+    plan = model.boost_plan
+    run = torch.compile(model, backend="boost") if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
+    losses, ref_losses, grad_err, logits_err = [], [], 0.0, None
+    for _ in range(steps):
+        out, out_ref = run(*inputs, **kw), ref(*inputs, **kw)
+        if logits_err is None:
+            logits_err = _rel(out.logits.detach(), out_ref.logits.detach())
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        out.loss.backward()
+        out_ref.loss.backward()
+        for (name, prm), (_, q) in zip(
+            model.named_parameters(), ref.named_parameters(), strict=True
+        ):
+            grad_err = max(grad_err, _rel(_gathered_grad(prm, plan.params[name], world), q.grad))
+        opt.step()
+        opt_ref.step()
+        losses.append(out.loss.item())
+        ref_losses.append(out_ref.loss.item())
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
+        "grad_err": grad_err,
+        "logits_err": logits_err,
+        "fallbacks": plan.fallbacks,
+        "warnings": warned.close(),
+        "sharded": sum(pl.is_shard for pl in plan.params.values()),
+        "bottlenecks": len(plan.bottlenecks),
+    }

@@ -1,0 +1,40 @@
+"""The ``checkpoint`` pass on 2 processes: less saved, same collectives, same numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tp_harness import RTOL, run_world
+
+
+@pytest.fixture(scope="module")
+def modes() -> dict:
+    res = run_world(2, [("ckpt", "checkpoint_modes", (False,))])["ckpt"]
+    assert "error" not in res, res.get("error")
+    print(res)
+    return res
+
+
+def test_lowrank_checkpoint_saves_at_most_40_percent(modes: dict) -> None:
+    """Per layer (1 -> 2 layers increment), b=2, s=128, d=256, r=64, tp=2, compiled."""
+    print(
+        f"saved bytes per layer: off {modes['per_layer_False']:,}, "
+        f"lowrank {modes['per_layer_True']:,} ({modes['ratio']:.1%})"
+    )
+    assert modes["ratio"] <= 0.40
+
+
+def test_lowrank_checkpoint_adds_no_collective(modes: dict) -> None:
+    """Backward collectives, counted in Inductor's backward graph and as gloo:* events.
+
+    (``"full"``, which re-runs the forward collectives, is compared in
+    ``benchmarks/checkpoint_modes.py``: one more compile than CI can afford.)
+    """
+    off, on = modes["graph_collectives_False"], modes["graph_collectives_True"]
+    assert len(off) == len(on) == 2 and on[1] == off[1] > 0
+    assert modes["bwd_collectives_True"] == modes["bwd_collectives_False"] > 0
+
+
+def test_checkpoint_is_exact(modes: dict) -> None:
+    assert modes["loss_err_True"] <= RTOL
+    assert modes["grad_err_True"] <= RTOL
