@@ -27,6 +27,7 @@ from .capture import placeholder_names
 from .errors import OptionTypeError, ShardingError
 from .graph_dump import GraphDumper
 from .options import BoostOptions
+from .parallel import current_local
 from .passes import PIPELINE, BoostPass, PassContext
 from .passes.base import _digest
 
@@ -150,7 +151,7 @@ def _local_example_inputs(example_inputs: Sequence[Any], shards: dict[int, Any])
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     out = list(example_inputs)
     for i, x in shards.items():
-        local = x._boost_local
+        local = current_local(x)
         out[i] = local if fake_mode is None else fake_mode.from_tensor(local, static_shapes=True)
     return out
 
@@ -174,7 +175,7 @@ def _with_local_shards(fn: Callable[..., Any], positions: list[int], tp: Any) ->
                     f"parameter {placeholder._boost_fqn!r} of group {placeholder._boost_group}; "
                     "compile each differently parallelized model separately"
                 )
-            args_[i] = placeholder._boost_local
+            args_[i] = current_local(placeholder)
         return fn(*args_)  # dynamo calls a backend's result positionally
 
     return run

@@ -82,6 +82,18 @@ def synchronise_rng(group: TPGroup) -> None:
         torch.cuda.set_rng_state(states[1])
 
 
+def current_local(placeholder: nn.Parameter) -> torch.Tensor:
+    """The tensor the owning module holds for this parameter now.
+
+    Looked up at every call, not fixed at ``parallelize`` time, so whatever
+    replaces the module's parameter is what runs: ``load_state_dict(assign=True)``,
+    or FSDP2, which swaps in the all-gathered parameter for the forward.
+    """
+    mod, name = placeholder._boost_owner  # type: ignore[attr-defined]
+    current = mod._parameters.get(name)
+    return placeholder._boost_local if current is None else current  # type: ignore[attr-defined]
+
+
 def local_shard(t: torch.Tensor, placement: Placement, group: TPGroup) -> torch.Tensor:
     return placement.shard(t.detach(), group.rank, group.size).clone()
 
@@ -163,6 +175,7 @@ def _shard_in_place(model: nn.Module, plan: TPPlan, group: TPGroup) -> None:
             prm.requires_grad,
         )
         placeholder._boost_local = local  # type: ignore[attr-defined]
+        placeholder._boost_owner = owners[key][0]  # type: ignore[attr-defined]
         placeholder._boost_fqn = fqn  # type: ignore[attr-defined]
         placeholder._boost_placement = placement  # type: ignore[attr-defined]
         placeholder._boost_group = group  # type: ignore[attr-defined]
