@@ -4,10 +4,13 @@ A system is one of :data:`SYSTEMS`. Every system trains the same CoLA-LLaMA (sam
 batches, AdamW), except ``dtensor-dense`` which trains the dense twin; so the losses of the
 low-rank systems must agree step by step, a check that each one computes the same model.
 
-Timing: ``warmup`` steps (the first compiles), then ``steps`` timed steps. Each timed step
-starts after a barrier (tensor-parallel systems) so the ranks start together; a step's time
-is the slowest rank's ``forward + backward + optimizer`` wall time (CPU: synchronous). One
-more step runs under ``torch.profiler`` to count the collectives (tensor-parallel systems).
+Timing: the systems of one group (the tensor-parallel ones on the same ranks, or the
+single-process ones) are set up side by side; each runs ``warmup`` steps (the first
+compiles); then ``steps`` timed rounds run every system once, in rotating order, so a drift
+in the machine's background load hits them all alike. Each timed step starts after a
+barrier (tensor-parallel systems) so the ranks start together; a step's time is the slowest
+rank's ``forward + backward + optimizer`` wall time (CPU: synchronous). One more step of
+each system runs under ``torch.profiler``: its collectives and where its time goes.
 """
 
 from __future__ import annotations
@@ -123,134 +126,162 @@ def _compile(system: str, model: torch.nn.Module) -> Any:
     return torch.compile(model, backend="inductor")
 
 
-def run_sizes(
+def run_group(
     *,
     rank: int,
     world: int,
     mesh: Any,
-    system: str,
+    systems: list[str],
     specs: dict[str, dict[str, Any]],
     steps: int,
     warmup: int,
     lr: float = 1e-3,
     profile: bool = True,
 ) -> dict[str, Any]:
-    """:func:`run_system` for each size in turn, in one process group (a failure is kept)."""
-    import traceback
+    """Every size in turn; at each, ``systems`` set up side by side and timed interleaved.
 
+    Returns ``{"sizes": {size: {system: result}}}``; a system that fails at a size is kept
+    as ``{"error": ..., "traceback": ...}`` and the others go on.
+    """
     out: dict[str, Any] = {}
     for name, spec in specs.items():
         torch._dynamo.reset()
-        try:
-            out[name] = run_system(
-                rank=rank, world=world, mesh=mesh, system=system, spec=spec, steps=steps,
-                warmup=warmup, lr=lr, profile=profile,
-            )  # fmt: skip
-        except Exception as exc:  # the other sizes still run
-            out[name] = {
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(),
-            }
+        out[name] = _time_interleaved(systems, ModelSpec(**spec), world, mesh, steps, warmup, lr)
+        for system, sysrun in list(out[name].items()):
+            if isinstance(sysrun, _System):
+                out[name][system] = sysrun.finish(profile)
     return {"sizes": out}
 
 
-def run_system(
-    *,
-    rank: int,
-    world: int,
-    mesh: Any,
-    system: str,
-    spec: dict[str, Any],
-    steps: int,
-    warmup: int,
-    lr: float = 1e-3,
-    profile: bool = True,
+class _System:
+    """One system at one size: its model, compiled callable, optimizer and measurements."""
+
+    def __init__(
+        self, system: str, ms: ModelSpec, world: int, mesh: Any, lr: float, batches: list[Any]
+    ) -> None:
+        tp = system in TP_SYSTEMS
+        self.system, self.world, self.batches = system, world, batches
+        torch.manual_seed(0)
+        self.model = make_model(system if tp else "lowrank", ms)
+        self.out: dict[str, Any] = {
+            "system": system,
+            "world": world,
+            "threads": torch.get_num_threads(),
+            "params_global": sum(p.numel() for p in self.model.parameters()),
+        }
+        t0 = time.perf_counter()
+        if tp:
+            parallelize(system, self.model, mesh, batches[0], world)
+        self.out["parallelize_s"] = time.perf_counter() - t0
+        if system == "boost":
+            from boost_compiler.costmodel import plan_comm
+
+            pc = plan_comm(self.model.boost_plan)
+            self.out["plan_comm"] = {
+                "fwd_bytes": pc.forward_bytes,
+                "bwd_bytes": pc.backward_bytes,
+                "fwd_count": pc.forward_collectives,
+                "bwd_count": pc.backward_collectives,
+            }
+        self.run = _compile(system, self.model)
+        self.opt = make_optimizer(self.model, lr)
+        self.losses: list[float] = []
+        self.times: list[list[float]] = []  # per step: forward, backward, optimizer, total
+
+    def step(self, i: int, record: bool = True) -> None:
+        ids = self.batches[i % N_BATCHES]
+        t_a = time.perf_counter()
+        loss = self.run(ids, labels=ids)
+        t_b = time.perf_counter()
+        loss.backward()
+        t_c = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t_d = time.perf_counter()
+        self.losses.append(scalar(loss))
+        if record:
+            self.times.append([t_b - t_a, t_c - t_b, t_d - t_c, t_d - t_a])
+
+    def finish(self, profile: bool) -> dict[str, Any]:
+        out = self.out
+        t = torch.tensor(self.times, dtype=torch.float64)
+        if self.world > 1:  # the step time is the slowest rank's
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(t) for _ in range(self.world)]
+            dist.all_gather(parts, t)
+            t = torch.stack(parts).amax(dim=0)
+        out["step_times"] = t.tolist()
+        if profile:
+            ids = self.batches[len(self.losses) % N_BATCHES]
+            out["profile"] = _profiled_step(self.run, self.opt, ids, self.world)
+            if self.world > 1:
+                out["comm"] = out["profile"].pop("comm")
+        out["losses"] = self.losses
+        if self.system == "boost":
+            out["fallbacks"] = list(self.model.boost_plan.fallbacks)
+        return out
+
+
+def _time_interleaved(
+    systems: list[str], ms: ModelSpec, world: int, mesh: Any, steps: int, warmup: int, lr: float
 ) -> dict[str, Any]:
-    """Build, parallelize, compile and time one system at one size (see the module docstring)."""
+    """Set up each system, warm each up, then time them in turns (A B C, B C A, ...).
+
+    Interleaving puts every system under the same background load: on a shared machine the
+    load drifts over minutes, and timing the systems one after the other would compare the
+    load of one minute with the load of the next.
+    """
+    import traceback
+
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
     from examples.cola_llama import example_inputs
 
-    cache_before = _cache_counts(counters)
-    ms = ModelSpec(**spec)
-    tp = system in TP_SYSTEMS
-    torch.manual_seed(0)
-    model = make_model(system if tp else "lowrank", ms)
-    batches = [
-        example_inputs(model.cfg, batch=ms.batch, seq=ms.seq, seed=i)[0] for i in range(N_BATCHES)
-    ]
-    out: dict[str, Any] = {
-        "system": system,
-        "world": world,
-        "threads": torch.get_num_threads(),
-        "params_global": sum(p.numel() for p in model.parameters()),
-    }
-    t0 = time.perf_counter()
-    if tp:
-        parallelize(system, model, mesh, batches[0], world)
-    out["parallelize_s"] = time.perf_counter() - t0
-    if system == "boost":
-        from boost_compiler.costmodel import plan_comm
-
-        pc = plan_comm(model.boost_plan)
-        out["plan_comm"] = {
-            "fwd_bytes": pc.forward_bytes,
-            "bwd_bytes": pc.backward_bytes,
-            "fwd_count": pc.forward_collectives,
-            "bwd_count": pc.backward_collectives,
-        }
-    run = _compile(system, model)
-    opt = make_optimizer(model, lr)
-
     def barrier() -> None:
         if world > 1:
             dist.barrier()
 
-    losses: list[float] = []
-    times: list[list[float]] = []  # per step: forward, backward, optimizer, total
-
-    def step(i: int, record: bool = True) -> None:
-        ids = batches[i % N_BATCHES]
-        t_a = time.perf_counter()
-        loss = run(ids, labels=ids)
-        t_b = time.perf_counter()
-        loss.backward()
-        t_c = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t_d = time.perf_counter()
-        losses.append(scalar(loss))
-        if record:
-            times.append([t_b - t_a, t_c - t_b, t_d - t_c, t_d - t_a])
-
-    t0 = time.perf_counter()
-    barrier()
-    step(0, record=False)  # compiles forward and backward
-    out["first_step_s"] = time.perf_counter() - t0
-    for i in range(1, warmup):
-        barrier()
-        step(i, record=False)
-    for i in range(warmup, warmup + steps):
-        barrier()
-        step(i)
-    t = torch.tensor(times, dtype=torch.float64)
-    if world > 1:  # the step time is the slowest rank's
-        parts = [torch.empty_like(t) for _ in range(world)]
-        dist.all_gather(parts, t)
-        t = torch.stack(parts).amax(dim=0)
-    out["step_times"] = t.tolist()
-    if profile:
-        out["profile"] = _profiled_step(run, opt, batches[(warmup + steps) % N_BATCHES], world)
-    out["losses"] = losses
-    out["cache"] = {
-        k: v - cache_before.get(k, 0)
-        for k, v in _cache_counts(counters).items()
-        if v - cache_before.get(k, 0)
-    }
-    if "profile" in out and world > 1:
-        out["comm"] = out["profile"].pop("comm")
-    if system == "boost":
-        out["boost_counters"] = dict(counters["boost"])
-        out["fallbacks"] = list(model.boost_plan.fallbacks)
-    return out
+    cfg_model = make_model("lowrank", ms)
+    batches = [
+        example_inputs(cfg_model.cfg, batch=ms.batch, seq=ms.seq, seed=i)[0]
+        for i in range(N_BATCHES)
+    ]
+    del cfg_model
+    live: dict[str, _System] = {}
+    res: dict[str, Any] = {}
+    for system in systems:
+        try:
+            before, boost_before = _cache_counts(counters), dict(counters["boost"])
+            sysrun = _System(system, ms, world, mesh, lr, batches)
+            t0 = time.perf_counter()
+            barrier()
+            sysrun.step(0, record=False)  # compiles forward and backward
+            sysrun.out["first_step_s"] = time.perf_counter() - t0
+            for i in range(1, warmup):
+                barrier()
+                sysrun.step(i, record=False)
+            sysrun.out["cache"] = {
+                k: v - before.get(k, 0)
+                for k, v in _cache_counts(counters).items()
+                if v - before.get(k, 0)
+            }
+            if system == "boost":
+                sysrun.out["boost_counters"] = {
+                    k: v - boost_before.get(k, 0) for k, v in counters["boost"].items()
+                }
+            live[system] = sysrun
+            res[system] = sysrun
+        except Exception as exc:  # the other systems still run
+            res[system] = {
+                "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc(),
+            }
+    names = list(live)
+    for i in range(steps):
+        for j in range(len(names)):
+            system = names[(i + j) % len(names)]
+            barrier()
+            live[system].step(warmup + i)
+    return res

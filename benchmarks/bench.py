@@ -8,7 +8,9 @@ Writes ``bench-results/<timestamp>/``: ``results.json`` (everything, raw per-ste
 per-event collective shapes included), ``tables.txt`` (the console tables), ``*.png`` charts
 (matplotlib, optional) and ``logs/`` (each process's output).
 
-Systems (``--systems``), each in fresh spawned processes (see ``_profile.spawn``):
+Systems (``--systems``); the tensor-parallel ones share one set of ``--tp`` spawned processes,
+the single-process ones another (``_profile.spawn``), and within a group the systems are
+timed in interleaved rounds (``_train.py``), so a drifting background load hits all alike:
 
 ``boost``            ``boost_compiler.parallelize`` + ``torch.compile(model, backend="boost")``
                      (the backend's defaults: every pass), ``--tp`` processes.
@@ -19,10 +21,11 @@ Systems (``--systems``), each in fresh spawned processes (see ``_profile.spawn``
 ``inductor``         the low-rank model on one process, ``torch.compile(model)``.
 ``eager``            the low-rank model on one process, eager.
 
-All train with AdamW on the same fixed batches from the same seed: the losses of the four
+All train with fused AdamW on the same fixed batches from the same seed: the losses of the four
 low-rank systems must agree step by step (column "loss vs eager"). A step is forward +
 backward + optimizer; its time is the slowest rank's; the median over ``--steps`` timed
-steps after ``--warmup`` steps (the first compiles) is reported, with the 25-75% range.
+steps (rounds) after ``--warmup`` steps (the first compiles) is reported, with the 25-75%
+range.
 Threads: a tensor-parallel rank gets cores/tp threads (tp=2 on 2 cores: one core each, the
 CPU analogue of one GPU per rank); the single-process systems get the same (one "device"),
 ``--single-threads`` changes that. Why not all cores for them: Inductor's and ATen's
@@ -33,7 +36,7 @@ two), which would measure the neighbours, not the system.
 Communication: one extra step of each tensor-parallel system under ``torch.profiler``; every
 ``gloo:*`` event counted (``_profile.count_collectives``). Next to each measured figure: the
 cost model's prediction (``boost_compiler.costmodel``: ``n_layers`` x the per-layer formula of
-the strategy, fp32, plus the steps's extra collectives outside the layers for BOOST) and, for
+the strategy, fp32, plus the step's extra collectives outside the layers for BOOST) and, for
 BOOST, the plan that ``parallelize`` built from the captured graph (``costmodel.plan_comm``).
 Bytes must agree exactly; "match" says whether they do.
 
@@ -176,6 +179,25 @@ def predict(system: str, spec: ModelSpec, tp: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- analysis
+
+
+def split_group(res: dict[str, Any], members: list[str]) -> dict[str, dict[str, Any]]:
+    """One group's spawn result -> per system ``{"sizes": {size: result}, "per_rank": [...]}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for system in members:
+        sizes: dict[str, Any] = {}
+        for size, by_system in res.get("sizes", {}).items():
+            sizes[size] = by_system.get(system, {"error": "did not run"})
+        per_rank = [
+            {"rank": pr.get("rank"),
+             "sizes": {k: v.get(system, {}) for k, v in pr.get("sizes", {}).items()}}
+            for pr in res.get("per_rank", [])
+        ]  # fmt: skip
+        out[system] = {"sizes": sizes, "per_rank": per_rank, "wall_s": res.get("wall_s")}
+        if "error" in res:
+            out[system]["error"] = res["error"]
+            out[system]["traceback"] = res.get("traceback", "")
+    return out
 
 
 def _stats(times: list[list[float]]) -> dict[str, float]:
@@ -540,30 +562,37 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     specs = {s: SIZES[s].as_dict() for s in sizes}
     results: dict[str, dict[str, Any]] = {}
-    for system in systems:
-        world = args.tp if system in TP_SYSTEMS else 1
+    groups = [
+        ("tp", args.tp, [s for s in systems if s in TP_SYSTEMS]),
+        ("single", 1, [s for s in systems if s not in TP_SYSTEMS]),
+    ]
+    for tag, world, members in groups:
+        if not members:
+            continue
         threads = max(1, (os.cpu_count() or 1) // args.tp)
         if world == 1 and args.single_threads:
             threads = args.single_threads
         t0 = time.perf_counter()
-        with console.status(f"{system} ({world} process(es)): {', '.join(sizes)} ..."):
+        with console.status(f"{', '.join(members)} ({world} process(es)): {', '.join(sizes)} ..."):
             res = spawn(
-                "benchmarks._train:run_sizes", world,
-                {"system": system, "specs": specs, "steps": args.steps, "warmup": args.warmup},
-                timeout_s=args.timeout, threads=threads, tag=system, log_dir=out / "logs",
+                "benchmarks._train:run_group", world,
+                {"systems": members, "specs": specs, "steps": args.steps, "warmup": args.warmup},
+                timeout_s=args.timeout, threads=threads, tag=tag, log_dir=out / "logs",
             )  # fmt: skip
-        results[system] = res
-        done = []
-        for size in sizes:
-            r = res.get("sizes", {}).get(size, {})
-            if "step_times" in r:
-                med = statistics.median(x[3] for x in r["step_times"])
-                done.append(
-                    f"{size} {med * 1e3:.1f} ms/step (first step {r['first_step_s']:.0f} s)"
-                )
-            else:
-                done.append(f"{size} [red]failed[/]: {r.get('error', res.get('error', '?'))}")
-        console.print(f"[bold]{system}[/] ({time.perf_counter() - t0:.0f} s): " + "; ".join(done))
+        results.update(split_group(res, members))
+        for system in members:
+            done = []
+            for size in sizes:
+                r = results[system]["sizes"].get(size, {})
+                if "step_times" in r:
+                    med = statistics.median(x[3] for x in r["step_times"])
+                    done.append(
+                        f"{size} {med * 1e3:.1f} ms/step (first step {r['first_step_s']:.0f} s)"
+                    )
+                else:
+                    done.append(f"{size} [red]failed[/]: {r.get('error', '?')}")
+            console.print(f"[bold]{system}[/]: " + "; ".join(done))
+        console.print(f"({', '.join(members)}: {time.perf_counter() - t0:.0f} s)")
     gemm: list[dict[str, Any]] = []
     if scales:
         from benchmarks import gemm as gemm_mod
