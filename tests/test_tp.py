@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tp_harness import RTOL, run_world
+from tests.tp_harness import FULL_TESTS, RTOL, SLOW_REASON, run_world
 
 MODELS = ["make_cola_llama", "make_cola_ref_layout", "make_gpt2_svd", "make_gqa_cola"]
+# Each compiled variant costs a cold Inductor compile per rank (about a minute on the
+# 2-core CI machine). CI compiles the two models that cover every rule between them
+# (CoLA-LLaMA: RMSNorm, RoPE, SwiGLU, grouping; GPT-2 SVD: LayerNorm, biases, fused
+# q/k/v, tied head) at 2 ranks, and CoLA-LLaMA at 4 ranks; BOOST_FULL_TESTS=1 adds the
+# other compiled variants. Every model runs eagerly (same rewrite, no Inductor) in CI.
+SLOW = {"make_cola_ref_layout/compiled", "make_gqa_cola/compiled", "dropout/compiled"}
 TWO = [
     *[(f"{m}/eager", "compare_training", (m, False)) for m in MODELS],
     *[(f"{m}/compiled", "compare_training", (m, True)) for m in MODELS],
@@ -19,8 +25,7 @@ TWO = [
     ("bf16", "bf16_accuracy", ()),
     ("two_instances", "two_instances", ()),
 ]
-# GQA's 2 kv heads do not divide over 4 ranks; the others do. Compiling on 4
-# processes sharing 2 CI cores is slow, so one compiled model covers p=4.
+# GQA's 2 kv heads do not divide over 4 ranks; the others do.
 FOUR = [
     *[(f"{m}/eager", "compare_training", (m, False)) for m in MODELS[:3]],
     ("make_cola_llama/compiled", "compare_training", ("make_cola_llama", True)),
@@ -30,14 +35,24 @@ EXACT_TWO = [k for k, f, _ in TWO if f == "compare_training"]
 EXACT_FOUR = [k for k, f, _ in FOUR if f == "compare_training"]
 
 
+def _selected(checks: list[tuple]) -> list[tuple]:
+    return [c for c in checks if FULL_TESTS or c[0] not in SLOW]
+
+
+def _result(results: dict, key: str) -> dict:
+    if key not in results:
+        pytest.skip(f"{key}: {SLOW_REASON}")
+    return results[key]
+
+
 @pytest.fixture(scope="module")
 def two() -> dict:
-    return run_world(2, [(k, f, (*a,)) for k, f, a in TWO])
+    return run_world(2, _selected(TWO))
 
 
 @pytest.fixture(scope="module")
 def four() -> dict:
-    return run_world(4, [(k, f, (*a,)) for k, f, a in FOUR])
+    return run_world(4, _selected(FOUR))
 
 
 def _check_exact(res: dict) -> None:
@@ -50,18 +65,18 @@ def _check_exact(res: dict) -> None:
 
 @pytest.mark.parametrize("key", EXACT_TWO)
 def test_exact_on_2_ranks(two: dict, key: str) -> None:
-    _check_exact(two[key])
+    _check_exact(_result(two, key))
 
 
 @pytest.mark.parametrize("key", EXACT_FOUR)
 def test_exact_on_4_ranks(four: dict, key: str) -> None:
-    _check_exact(four[key])
+    _check_exact(_result(four, key))
 
 
 @pytest.mark.parametrize("key", EXACT_TWO + [f"4:{k}" for k in EXACT_FOUR])
 def test_no_fallback_anywhere(two: dict, four: dict, key: str) -> None:
     """Every example model is fully sharded: no gather fallback at plan or compile time."""
-    res = four[key[2:]] if key.startswith("4:") else two[key]
+    res = _result(four, key[2:]) if key.startswith("4:") else _result(two, key)
     assert "error" not in res, res.get("error")
     assert res["fallbacks"] == [] and res["warnings"] == [], (res["fallbacks"], res["warnings"])
 
@@ -78,7 +93,7 @@ def test_other_batch_seq_kwargs_and_eval(two: dict, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_dropout_replicas_agree_and_shards_differ(two: dict, mode: str) -> None:
     """Ranks start from different random streams; dropout stays consistent anyway."""
-    res = two[f"dropout/{mode}"]
+    res = _result(two, f"dropout/{mode}")
     assert "error" not in res, res.get("error")
     print(res)
     assert res["latent_diff"] == [0.0, 0.0]  # the r-dim latent: one mask on every rank

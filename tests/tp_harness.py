@@ -22,6 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RTOL = 1e-5
+# The costly compiled variants run only with BOOST_FULL_TESTS=1 (see README, "Tests").
+FULL_TESTS = os.environ.get("BOOST_FULL_TESTS") == "1"
+SLOW_REASON = "a costly compiled variant; BOOST_FULL_TESTS=1 runs it"
 
 
 def _gathered_grad(prm: torch.Tensor, placement: Any, world: int) -> torch.Tensor:
