@@ -57,6 +57,12 @@ COMMANDS: dict[str, CommandSpec] = {
         "what boost finds and what each pass does, on a simulated TP group; writes report.html",
     ),
     "bench": CommandSpec("boost_compiler.bench_cli:BENCH", "measured: boost vs DTensor TP"),
+    "train": CommandSpec(
+        "boost_compiler.train.command:TRAIN", "pre-train CoLA-LLaMA: DP x BTP, DCP checkpoints"
+    ),
+    "export": CommandSpec(
+        "boost_compiler.train.command:EXPORT", "training checkpoint -> single-device safetensors"
+    ),
 }
 
 

@@ -1,0 +1,95 @@
+"""Global gradient-norm clipping over a (dp, tp) layout, every parameter counted once.
+
+Why not ``torch.nn.utils.clip_grad_norm_``: on a rank it sees only local
+tensors. After ``parallelize`` a TP-sharded parameter's gradient is split over
+the tp ranks (its squares must be summed over tp), while a TP-replicated one
+(e.g. the LM head) holds the same full gradient on every tp rank (summing over
+tp would count it tp times). Under FSDP2 every gradient is further split over the
+dp ranks (sum over dp); with plain gradient all-reduce it is identical across dp
+(do not sum). Getting one of these wrong changes the norm by a factor of
+``sqrt(tp)`` or ``sqrt(dp)`` for part of the model: training still runs, which
+is why it is a known silent bug. Here each case is explicit:
+
+    total^2 = sum_dp? ( sum_tp( sum S-sharded g^2 ) + sum replicated g^2 )
+
+The result equals ``clip_grad_norm_`` on the single-device model (tested), and
+the same clip coefficient ``max_norm / (total + 1e-6)``, clamped to 1, is applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GradSlot:
+    """One parameter and whether its gradient is split over the tensor-parallel group."""
+
+    param: nn.Parameter
+    tp_sharded: bool
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own data of a tensor or DTensor (FSDP2 parameters and gradients)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def global_grad_norm(
+    slots: Iterable[GradSlot],
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient (fp32 scalar), the same on every rank.
+
+    ``tp_group``: sum the sharded parameters' squares over it (None: tp = 1).
+    ``dp_group``: sum everything over it; pass it only when gradients are sharded
+    over dp (FSDP2), not when they are all-reduced (replicated).
+    """
+    sharded: list[torch.Tensor] = []
+    replicated: list[torch.Tensor] = []
+    device = None
+    for slot in slots:
+        grad = slot.param.grad
+        if grad is None:
+            continue
+        g = local_tensor(grad)
+        device = g.device
+        (sharded if slot.tp_sharded else replicated).append(g.detach().float().pow(2).sum())
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    sq_sharded = torch.stack(sharded).sum() if sharded else zero.clone()
+    sq_replicated = torch.stack(replicated).sum() if replicated else zero.clone()
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sq_sharded, group=tp_group)
+    total = sq_sharded + sq_replicated
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(total, group=dp_group)
+    return total.sqrt()
+
+
+def clip_grad_norm_(
+    slots: Iterable[GradSlot],
+    max_norm: float,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Scale every gradient in place so the global norm is at most ``max_norm``.
+
+    Returns the norm before clipping (like torch's). ``max_norm <= 0`` only measures.
+    """
+    slots = list(slots)
+    total = global_grad_norm(slots, tp_group=tp_group, dp_group=dp_group)
+    if max_norm > 0:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            for slot in slots:
+                if slot.param.grad is not None:
+                    local_tensor(slot.param.grad).mul_(coef)
+    return total

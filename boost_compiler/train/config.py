@@ -1,0 +1,175 @@
+"""Training configuration: dataclass defaults, then a TOML file, then command-line flags.
+
+Why three layers: a run is usually described once in a TOML file kept with the
+experiment, then varied from the command line (``--tp 4``) without editing the
+file. Flags therefore win over the file, and the file over the defaults. The
+argparse parser uses ``argparse.SUPPRESS`` as every default, so a flag the user
+did not give is absent from the namespace and cannot override the file by accident.
+
+A TOML file holds the same names as the flags (``checkpoint_dir`` or
+``checkpoint-dir``) at top level, plus an optional ``[model]`` table of overrides
+for the preset (``d_model = 128``), e.g.::
+
+    tp = 2
+    steps = 300
+    lr = 3e-3
+    [model]
+    preset = "tiny"   # or, without a [model] table: model = "tiny" at top level
+    n_layers = 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import BoostError
+
+
+class TrainConfigError(BoostError, ValueError):
+    """A configuration value is missing, unknown or inconsistent (names it)."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run. ``batch`` is the GLOBAL batch (all dp ranks)."""
+
+    model: str = "tiny"  # preset in examples/cola_llama.CONFIGS
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # TOML [model] table
+    tp: int = 1
+    dp: int | None = None  # None: world size // tp
+    steps: int = 100
+    stop_at: int | None = None  # leave after this many steps (schedule still over `steps`)
+    batch: int = 8  # sequences per optimizer step, summed over the dp ranks
+    seq: int = 64
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup: int = 10  # linear warm-up steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip: float = 1.0  # max global gradient norm; 0 disables clipping (the norm is still logged)
+    seed: int = 0
+    data: str | None = None  # folder of text files; None: the embedded stdlib corpus
+    checkpoint_dir: str | None = None
+    save_every: int = 0  # 0: save only at the end (when checkpoint_dir is set)
+    resume: bool = False
+    metrics: str | None = None  # JSON lines file (appended to on resume)
+    plot: str | None = None  # loss-curve PNG; default: next to the metrics / checkpoints
+    bf16: bool = False
+    compile: bool = True  # torch.compile(backend="boost"); False: eager (still BTP)
+    fsdp: bool = True  # dp > 1: FSDP2 across dp; False: gradient all-reduce
+    progress: bool = True
+    throttle: float = 0.0  # seconds of sleep per step: lets tests kill a run mid-way
+    log_every: int = 10
+
+    def validate(self, world: int | None = None) -> None:
+        """Raise :class:`TrainConfigError` naming the first inconsistent value."""
+        positive = ("tp", "steps", "batch", "seq")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dp is not None and self.dp <= 0:
+            raise TrainConfigError(f"dp must be positive, got {self.dp}")
+        if self.stop_at is not None and not 0 < self.stop_at <= self.steps:
+            raise TrainConfigError(
+                f"stop_at must be in 1..steps ({self.steps}), got {self.stop_at}"
+            )
+        if self.save_every < 0 or self.warmup < 0 or self.clip < 0:
+            raise TrainConfigError("save_every, warmup and clip must be >= 0")
+        if world is not None:
+            dp = self.dp if self.dp is not None else world // self.tp
+            if dp * self.tp != world:
+                raise TrainConfigError(
+                    f"dp ({dp}) x tp ({self.tp}) must equal the world size ({world})"
+                )
+            if self.batch % dp:
+                raise TrainConfigError(
+                    f"the global batch ({self.batch}) must divide by dp ({dp}): every dp rank "
+                    "takes an equal, disjoint slice"
+                )
+        if (self.resume or self.save_every) and not self.checkpoint_dir:
+            raise TrainConfigError("--resume and --save-every need --checkpoint-dir")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
+_ALIASES = {"model_name": "model", "max_grad_norm": "clip", "no_compile": "compile"}
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as TrainConfig keyword arguments (unknown keys raise, naming them)."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise TrainConfigError(f"cannot read config {path}: {err}") from err
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = _ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+        if key == "model" and isinstance(value, dict):
+            value = dict(value)
+            if "preset" in value:
+                out["model"] = value.pop("preset")
+            name = "model_overrides"
+        if name not in _FIELDS:
+            raise TrainConfigError(f"unknown key {key!r} in {path}; known: {sorted(_FIELDS)}")
+        if key in ("no_compile", "no-compile"):
+            value = not value
+        out[name] = value
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The training flags (every default suppressed: see the module docstring)."""
+    s = argparse.SUPPRESS
+    p.add_argument("--config", default=None, help="TOML file; flags given here win over it")
+    p.add_argument("--model", default=s, help="preset in examples/cola_llama.CONFIGS (tiny)")
+    p.add_argument("--tp", type=int, default=s, help="tensor-parallel degree (BTP) (1)")
+    p.add_argument("--dp", type=int, default=s, help="data-parallel degree (world / tp)")
+    p.add_argument("--steps", type=int, default=s, help="optimizer steps in total (100)")
+    p.add_argument("--stop-at", type=int, default=s,
+                   help="leave after this many steps, keeping the --steps schedule "
+                   "(a time-limited job; rerun with --resume)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=s, help="GLOBAL batch in sequences (8)")
+    p.add_argument("--seq", type=int, default=s, help="sequence length in tokens (64)")
+    p.add_argument("--lr", type=float, default=s, help="peak learning rate (3e-3)")
+    p.add_argument("--warmup", type=int, default=s, help="linear warm-up steps (10)")
+    p.add_argument("--min-lr-ratio", type=float, default=s, help="final lr / peak lr (0.1)")
+    p.add_argument("--weight-decay", type=float, default=s, help="AdamW weight decay (0.1)")
+    p.add_argument("--clip", type=float, default=s, help="max global grad norm, 0: off (1.0)")
+    p.add_argument("--seed", type=int, default=s, help="model init and data order (0)")
+    p.add_argument("--data", default=s, help="folder of text files (default: embedded corpus)")
+    p.add_argument("--checkpoint-dir", default=s, help="DCP checkpoints go to DIR/step_N")
+    p.add_argument("--save-every", type=int, default=s, help="checkpoint every K steps")
+    p.add_argument("--resume", action="store_true", default=s, help="continue from DIR's latest")
+    p.add_argument("--metrics", default=s, help="JSON-lines metrics file (rank 0)")
+    p.add_argument("--plot", default=s, help="loss-curve PNG path")
+    p.add_argument("--bf16", action="store_true", default=s, help="bf16 parameters and compute")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=s,
+                   help="torch.compile(backend='boost') (default) or eager (--no-compile)")  # fmt: skip
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=s,
+                   help="dp > 1: FSDP2 (default) or plain gradient all-reduce (--no-fsdp)")  # fmt: skip
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=s,
+                   help="rich progress bar on rank 0 (default on)")  # fmt: skip
+    p.add_argument("--throttle", type=float, default=s, help="sleep per step, s (tests)")
+    p.add_argument("--log-every", type=int, default=s, help="log a line every K steps (10)")
+
+
+def from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then ``--config`` TOML, then the flags that were given."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_toml(args.config))
+    for name, value in vars(args).items():
+        if name in _FIELDS:
+            values[name] = value
+    try:
+        return TrainConfig(**values)
+    except TypeError as err:
+        raise TrainConfigError(str(err)) from err

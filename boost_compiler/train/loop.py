@@ -1,0 +1,412 @@
+"""The training loop: CoLA-LLaMA pre-training, BTP inside ``tp``, FSDP2 across ``dp``.
+
+Layout: a 2-D ``DeviceMesh`` ``(dp, tp)``. Every rank builds the same model
+(same seed); ``parallelize(model, mesh["tp"])`` turns its parameters into plain
+local TP blocks; ``fully_shard(model, mesh=mesh["dp"])`` then shards those blocks
+over dp. Why this order works: the parallelized forward looks each parameter up on
+its owning module at every call (``parallel.current_local``), and FSDP2's root
+pre-forward hook puts the all-gathered (unsharded) block there; its post-backward
+reduce-scatters (averages) the gradients over dp. Only the root module is wrapped:
+the forward runs a shadow copy of the module tree, so hooks on inner modules would
+never fire. ``--no-fsdp`` replaces FSDP2 by a plain gradient all-reduce over dp.
+
+The same global batch is split over dp (disjoint rows), identical within a tp
+group, so the loss of step N is the same number at every (dp, tp) layout up to
+float rounding: that is what the parity tests check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._logging import get_logger
+from . import checkpoint as ckpt
+from .clip import GradSlot, clip_grad_norm_
+from .config import TrainConfig, TrainConfigError
+from .data import Corpus, dp_slice, load_corpus
+
+log = get_logger(__name__)
+
+
+def import_cola_llama() -> ModuleType:
+    """``examples.cola_llama`` from the source checkout (beside the package, or the cwd)."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (root / "examples" / "cola_llama.py").is_file():
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            return importlib.import_module("examples.cola_llama")
+    raise TrainConfigError(
+        "the training job needs examples/cola_llama.py: install the package editable "
+        "(pip install -e .) or run from the repository root"
+    )
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    """The preset ``cfg.model`` with its overrides, seeded (identical on every rank)."""
+    cola = import_cola_llama()
+    if cfg.model not in cola.CONFIGS:
+        raise TrainConfigError(f"unknown --model {cfg.model!r}; presets: {sorted(cola.CONFIGS)}")
+    overrides = dict(cfg.model_overrides)
+    overrides.setdefault("max_seq_len", max(cola.CONFIGS[cfg.model].max_seq_len, cfg.seq))
+    model = cola.build(cfg.model, seed=cfg.seed, **overrides)
+    if model.cfg.vocab_size < 256:
+        raise TrainConfigError(f"vocab_size {model.cfg.vocab_size} < 256: the tokens are bytes")
+    return model
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine to ``lr * min_lr_ratio``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+def init_distributed() -> bool:
+    """Join torchrun's group (env://), or make a 1-rank group; True if this call created it."""
+    if dist.is_initialized():
+        return False
+    cuda = torch.cuda.is_available()
+    backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    else:  # one process: a private in-memory store, no launcher, no port
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+@dataclass
+class TrainResult:
+    """What a run returns on every rank (losses: rank 0's view, the dp-averaged loss)."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    start_step: int = 0
+    final_step: int = 0
+    model: nn.Module | None = None
+    checkpoint: Path | None = None
+    plot: Path | None = None
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class _Run:
+    cfg: TrainConfig
+    dp: int
+    tp: int
+    mesh: Any
+    device: torch.device
+    corpus: Corpus
+    model: nn.Module
+    forward: Any
+    opt: torch.optim.Optimizer
+    layout: ckpt.Layout
+    slots: list[GradSlot]
+    fsdp: bool
+    tp_bytes: int
+    dp_bytes: int
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def batch(self, step: int) -> torch.Tensor:
+        cfg = self.cfg
+        full = self.corpus.global_batch(step, cfg.batch, cfg.seq, cfg.seed)
+        return dp_slice(full, self.dp_rank, self.dp).to(self.device)
+
+
+def _plan_bytes(model: nn.Module) -> int:
+    """Forward + backward payload bytes per step of the model's BTP plan (0 without one)."""
+    plan = getattr(model, "boost_plan", None)
+    if plan is None:
+        return 0
+    total = 0
+    for c in plan.collectives:
+        numel = math.prod(int(s) for s in c.global_shape)
+        total += numel * c.dtype.itemsize * (int(c.forward) + int(c.backward))
+    return total
+
+
+def setup(cfg: TrainConfig) -> _Run:
+    """Mesh, data, model (parallelized, sharded), optimizer: everything before step 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import boost_compiler
+
+    world = dist.get_world_size()
+    cfg.validate(world)
+    tp = cfg.tp
+    dp = cfg.dp if cfg.dp is not None else world // tp
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    corpus = load_corpus(cfg.data)
+    model = build_model(cfg).to(device)
+    if cfg.bf16:
+        model = model.to(torch.bfloat16)
+    run_dp_rank = mesh["dp"].get_local_rank()
+    example = dp_slice(corpus.global_batch(0, cfg.batch, cfg.seq, cfg.seed), run_dp_rank, dp)
+    example = example.to(device)
+    if tp > 1:
+        boost_compiler.parallelize(model, mesh["tp"], (example,), {"labels": example})
+    fsdp = dp > 1 and cfg.fsdp
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh["dp"])
+    layout = ckpt.model_layout(model, mesh["tp"] if tp > 1 else None)
+    slots = [GradSlot(e.param, tp > 1 and e.placement.is_shard) for e in layout.entries]  # type: ignore[arg-type]
+    decay = [e.param for e in layout.entries if e.param.ndim >= 2]
+    no_decay = [e.param for e in layout.entries if e.param.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    )  # fmt: skip
+    forward: Any = model
+    if cfg.compile:
+        if fsdp:
+            # FSDP2's hooks stay eager around the module call; the forward they wrap is compiled.
+            model.forward = torch.compile(model.forward, backend="boost")  # type: ignore[method-assign]
+        else:
+            forward = torch.compile(model, backend="boost")
+    block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
+    dp_bytes = 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
+    return _Run(cfg, dp, tp, mesh, device, corpus, model, forward, opt, layout, slots, fsdp,
+                _plan_bytes(model), dp_bytes)  # fmt: skip
+
+
+def _all_reduce_grads(run: _Run) -> None:
+    """``--no-fsdp``: average the gradients over dp (one flat buffer)."""
+    grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=run.mesh["dp"].get_group())
+    flat /= run.dp
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def train_step(run: _Run, step: int) -> tuple[float, float]:
+    """One optimizer step on batch ``step``; returns (dp-mean loss, grad norm before clip)."""
+    cfg = run.cfg
+    lr = lr_at(step, cfg)
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    ids = run.batch(step)
+    loss = run.forward(ids, labels=ids)
+    loss.backward()
+    if run.dp > 1 and not run.fsdp:
+        _all_reduce_grads(run)
+    norm = clip_grad_norm_(
+        run.slots, cfg.clip,
+        tp_group=run.mesh["tp"].get_group() if run.tp > 1 else None,
+        dp_group=run.mesh["dp"].get_group() if run.fsdp else None,
+    )  # fmt: skip
+    run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    value = loss.detach().float().reshape(1)
+    if run.dp > 1:
+        dist.all_reduce(value, group=run.mesh["dp"].get_group())
+        value /= run.dp
+    return value.item(), norm.item()
+
+
+def _train_state(run: _Run, step: int) -> dict[str, Any]:
+    cfg = run.cfg
+    return {
+        "step": step,
+        "tokens_seen": step * cfg.batch * cfg.seq,
+        "data": {"next_step": step, "source": run.corpus.source, "digest": run.corpus.digest,
+                 "seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq},
+        "layout": {"dp": run.dp, "tp": run.tp, "fsdp": run.fsdp},
+        "config": cfg.to_json(),
+    }  # fmt: skip
+
+
+def _check_resume(run: _Run, state: dict[str, Any]) -> None:
+    data, cfg = state.get("data", {}), run.cfg
+    if data.get("digest") != run.corpus.digest:
+        log.warning("resuming on another corpus (%s) than the checkpoint's", run.corpus.source)
+    for key in ("seed", "batch", "seq"):
+        if data.get(key) != getattr(cfg, key):
+            log.warning("resuming with %s=%s, the checkpoint used %s", key, getattr(cfg, key),
+                        data.get(key))  # fmt: skip
+
+
+class _Metrics:
+    """JSON lines on rank 0: appended on resume (the curve continues), fresh otherwise."""
+
+    def __init__(self, path: str | None, append: bool, enabled: bool) -> None:
+        self.path = Path(path) if path and enabled else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not append:
+                self.path.write_text("")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: str | Path) -> dict[int, dict[str, Any]]:
+    """Step records of a metrics file; a step logged twice (a crash after it) keeps the last."""
+    out: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[int(rec["step"])] = rec
+    return dict(sorted(out.items()))
+
+
+def plot_losses(losses: dict[int, float], path: Path, title: str) -> Path | None:
+    """The loss curve as a PNG (None, with a message, when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no loss-curve PNG (pip install matplotlib)")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(list(losses), list(losses.values()), lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (cross-entropy, nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _progress(enabled: bool, total: int, start: int) -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.description}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        disable=not enabled,
+    )  # fmt: skip
+    task = progress.add_task("compiling..." if start == 0 else "resuming...", total=total)
+    progress.update(task, completed=start)
+    return progress, task
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run (or continue, with ``cfg.resume``) a training run; a collective over the world."""
+    created = init_distributed()
+    try:
+        return _train(cfg)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig) -> TrainResult:
+    rank = dist.get_rank()
+    run = setup(cfg)
+    result = TrainResult(model=run.model)
+    if cfg.resume and cfg.checkpoint_dir and (found := ckpt.latest(cfg.checkpoint_dir)):
+        state = ckpt.load(found, run.layout, run.opt)
+        _check_resume(run, state)
+        result.start_step = int(state["step"])
+        log.info("resumed from %s at step %d (dp=%d, tp=%d)", found, result.start_step,
+                 run.dp, run.tp)  # fmt: skip
+    elif cfg.resume:
+        log.info("--resume: no complete checkpoint in %s, starting at step 0", cfg.checkpoint_dir)
+    metrics = _Metrics(cfg.metrics, append=result.start_step > 0, enabled=rank == 0)
+    metrics.write({"event": "start", "step": result.start_step, "dp": run.dp, "tp": run.tp,
+                   "fsdp": run.fsdp, "compile": cfg.compile, "world": dist.get_world_size(),
+                   "tp_collective_bytes_per_step": run.tp_bytes,
+                   "dp_collective_bytes_per_step": run.dp_bytes})  # fmt: skip
+    tokens = cfg.batch * cfg.seq
+    progress, task = _progress(rank == 0 and cfg.progress, cfg.steps, result.start_step)
+    rates: list[float] = []
+    end = cfg.stop_at or cfg.steps
+    with progress:
+        for step in range(result.start_step, end):
+            t0 = time.perf_counter()
+            loss, norm = train_step(run, step)
+            dt = time.perf_counter() - t0
+            rate = tokens / dt
+            if step > result.start_step:  # the first step of a process compiles
+                rates.append(rate)
+            result.losses[step], result.grad_norms[step] = loss, norm
+            metrics.write({"step": step, "loss": loss, "grad_norm": norm, "lr": lr_at(step, cfg),
+                           "tokens_per_s": rate, "step_s": dt, "tokens_seen": (step + 1) * tokens,
+                           "tp_collective_bytes": run.tp_bytes,
+                           "dp_collective_bytes": run.dp_bytes})  # fmt: skip
+            progress.update(task, advance=1, description=f"loss {loss:.4f} | {rate:,.0f} tok/s")
+            if rank == 0 and (step % max(1, cfg.log_every) == 0 or step == end - 1):
+                log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", step, loss, norm, rate)
+            done = step + 1
+            if cfg.checkpoint_dir and (
+                (cfg.save_every and done % cfg.save_every == 0) or done == end
+            ):
+                result.checkpoint = ckpt.save(
+                    cfg.checkpoint_dir, done, run.layout, run.opt, _train_state(run, done)
+                )
+            if cfg.throttle:
+                time.sleep(cfg.throttle)
+    result.final_step = end
+    result.tokens_per_s = sorted(rates)[len(rates) // 2] if rates else 0.0
+    if rank == 0:
+        curve = read_metrics(cfg.metrics) if cfg.metrics else {}
+        losses = {s: r["loss"] for s, r in curve.items()} or result.losses
+        target = Path(cfg.plot) if cfg.plot else _default_plot(cfg)
+        if losses:
+            title = f"{cfg.model}, dp={run.dp} x tp={run.tp}, batch {cfg.batch} x {cfg.seq}"
+            result.plot = plot_losses(losses, target, title)
+            if result.plot:
+                log.info("loss curve: %s", result.plot)
+    dist.barrier()
+    return result
+
+
+def _default_plot(cfg: TrainConfig) -> Path:
+    if cfg.metrics:
+        return Path(cfg.metrics).with_suffix(".png")
+    if cfg.checkpoint_dir:
+        return Path(cfg.checkpoint_dir) / "loss.png"
+    return Path("loss.png")
+
+
+def configure_logging() -> None:
+    """INFO on rank 0, warnings elsewhere, through rich (the package logs, never prints)."""
+    from rich.logging import RichHandler
+
+    root = logging.getLogger("boost_compiler")
+    if not root.handlers:
+        root.addHandler(RichHandler(show_path=False, rich_tracebacks=False))
+    rank = int(os.environ.get("RANK", "0"))
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
