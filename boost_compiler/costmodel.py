@@ -158,14 +158,23 @@ class CommFormula:
     act: sp.Expr  # activation elements (e bytes each)
     stats: sp.Expr  # norm-statistic elements (STAT_BYTES each)
     count: sp.Expr  # collectives
+    # Latent elements sent at fp32 width whatever e is: BOOST's online-norm all-reduces
+    # carry their partial latents in fp32 next to the statistics
+    # (tp_ops.online_rms_norm_reduce says why). Equal to `act` bytes when e = 4.
+    wide: sp.Expr = sp.Integer(0)
 
     @property
     def elements(self) -> sp.Expr:
-        return b * s * (self.act + self.stats)
+        return b * s * (self.act + self.wide + self.stats)
+
+    @property
+    def payload(self) -> sp.Expr:
+        """Bytes per layer of the latent/activation payloads (statistics excluded)."""
+        return b * s * (self.act * e + self.wide * STAT_BYTES)
 
     @property
     def bytes(self) -> sp.Expr:
-        return b * s * (self.act * e + self.stats * STAT_BYTES)
+        return self.payload + b * s * self.stats * STAT_BYTES
 
     @property
     def time(self) -> sp.Expr:
@@ -182,8 +191,8 @@ class StrategyFormula:
     gemms: tuple[tuple[str, sp.Expr, sp.Expr], ...]  # (name, K, N) per rank; M = b*s
 
 
-def _cf(act: Any, stats: Any = 0, count: Any = 0) -> CommFormula:
-    return CommFormula(sp.sympify(act), sp.sympify(stats), sp.sympify(count))
+def _cf(act: Any, stats: Any = 0, count: Any = 0, wide: Any = 0) -> CommFormula:
+    return CommFormula(sp.sympify(act), sp.sympify(stats), sp.sympify(count), sp.sympify(wide))
 
 
 kv = H_kv * d / H  # width of k and v (= d for MHA)
@@ -227,7 +236,12 @@ def formulas(fused: bool = True) -> dict[str, StrategyFormula]:
             "btp", "BTP (no grouping / online norm)", _cf(7 * r, 2, 9), _cf(7 * r, 2, 9), btp_gemms
         ),
         "boost": StrategyFormula(
-            "boost", "BOOST (grouped, online norm)", _cf(7 * r, 2, 4), _cf(7 * r, 0, 4), boost_gemms
+            # forward: q|k|v and gate|up latents (5r) fp32 with the 2 statistics; o, down in e
+            "boost",
+            "BOOST (grouped, online norm)",
+            _cf(2 * r, 2, 4, wide=5 * r),
+            _cf(7 * r, 0, 4),
+            boost_gemms,
         ),
     }
 
@@ -347,7 +361,7 @@ def _comm(f: CommFormula, subs: dict[sp.Symbol, Any], link: Link) -> Comm:
     t_subs = {**subs, alpha: sp.Rational(str(link.latency_us)) / 10**6}
     t_subs[beta] = 1 / (sp.Rational(str(link.bandwidth_gbps)) * 10**9)
     return Comm(
-        payload_bytes=_int(b * s * f.act * e, subs),
+        payload_bytes=_int(f.payload, subs),
         stats_bytes=_int(b * s * f.stats * STAT_BYTES, subs),
         elements=_int(f.elements, subs),
         collectives=_int(f.count, subs),
@@ -386,14 +400,18 @@ def cost(
     return report
 
 
-def btp_step_bytes(dims: LlamaDims, tp: int, batch: int, seq: int, dtype: str) -> dict[str, int]:
-    """Whole-step bytes and collectives of ``parallelize`` (BTP) by formula, untied LM head.
+def step_bytes(
+    dims: LlamaDims, tp: int, batch: int, seq: int, dtype: str, strategy: str = "boost"
+) -> dict[str, int]:
+    """Whole-step bytes and collectives of ``parallelize`` by formula, untied LM head.
 
-    ``n_layers`` times the per-layer ``btp`` formula plus :data:`BTP_STEP_EXTRA`; the
-    counterpart of :func:`plan_comm` for the same model, for checking one by the other.
+    ``n_layers`` times the per-layer formula of ``strategy`` (``"boost"``: the default
+    passes; ``"btp"``: ``group_linears`` and ``online_norm`` off) plus
+    :data:`BTP_STEP_EXTRA`; the counterpart of :func:`plan_comm` for the same model,
+    for checking one by the other.
     """
     subs = {**dims.values(tp), b: batch, s: seq, e: DTYPE_BYTES[dtype]}
-    f = formulas()["btp"]
+    f = formulas()[strategy]
     out = {}
     for way, layer, extra in (
         ("forward", f.forward, BTP_STEP_EXTRA[0]), ("backward", f.backward, BTP_STEP_EXTRA[1])
