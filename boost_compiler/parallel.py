@@ -29,6 +29,7 @@ from .capture import capture
 from .collectives import group_name_of
 from .detect import find_bottlenecks
 from .errors import MeshError
+from .options import BoostOptions
 from .passes import TP_PASSES, PassContext
 from .placement import Placement, R
 from .plan import TPPlan
@@ -103,8 +104,13 @@ def parallelize(
     tp_mesh: Any,
     example_inputs: Sequence[Any] = (),
     example_kwargs: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` at the narrow point of every bottleneck.
+
+    ``options`` are the backend's (e.g. ``{"online_norm": False}``): they decide
+    the plan and the eager path; a ``torch.compile(model, backend="boost",
+    options=...)`` of the result takes its own.
 
     Returns the same module, its parameters now this rank's shards, its plan in
     ``model.boost_plan``. The forward keeps its signature; use it eagerly or
@@ -122,6 +128,7 @@ def parallelize(
         boost_compiler.parallelize(model, mesh, example_inputs(model.cfg))
         loss = model(*example_inputs(model.cfg), labels=example_inputs(model.cfg)[0])
     """
+    opts = BoostOptions.parse(options)
     group = resolve_group(tp_mesh)
     graphs = capture(model, tuple(example_inputs), example_kwargs)
 
@@ -132,14 +139,15 @@ def parallelize(
         # collectives a default torch.compile(backend="boost") executes.
         ctx = PassContext(g.param_names, bottlenecks, tp=group, fixed=dict(plan.params))
         for cls in TP_PASSES:
-            cls(ctx)(g.gm.graph)
+            if opts.enabled(cls.name):
+                cls(ctx, opts.passes[cls.name])(g.gm.graph)
         result = ctx.notes["btp"]
         plan.params.update(result.params)
         plan.bottlenecks += bottlenecks
         plan.collectives += result.collectives
         plan.fallbacks += result.fallbacks
     # Every check above ran on the captured copy: nothing was modified before here.
-    _shard_in_place(model, plan, group)
+    _shard_in_place(model, plan, group, dict(options or {}))
     synchronise_rng(group)
     log.info(
         "parallelized %s over tp=%d: %d bottleneck(s), %d sharded parameter(s)",
@@ -152,7 +160,9 @@ def parallelize(
     return model
 
 
-def _shard_in_place(model: nn.Module, plan: TPPlan, group: TPGroup) -> None:
+def _shard_in_place(
+    model: nn.Module, plan: TPPlan, group: TPGroup, options: dict[str, Any]
+) -> None:
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     first_name: dict[int, str] = {}
     params: dict[int, nn.Parameter] = {}
@@ -186,7 +196,7 @@ def _shard_in_place(model: nn.Module, plan: TPPlan, group: TPGroup) -> None:
         for mod, name in owners[key]:
             mod._parameters[name] = local
 
-    model.forward = _ShadowForward(shadow)  # type: ignore[method-assign]
+    model.forward = _ShadowForward(shadow, options)  # type: ignore[method-assign]
     train = model.train
 
     def train_both(mode: bool = True) -> nn.Module:
@@ -199,11 +209,11 @@ def _shard_in_place(model: nn.Module, plan: TPPlan, group: TPGroup) -> None:
 class _ShadowForward:
     """The parallelized model's forward: the shadow, through the boost backend."""
 
-    def __init__(self, shadow: nn.Module) -> None:
+    def __init__(self, shadow: nn.Module, options: dict[str, Any]) -> None:
         from .backend import boost_backend
 
         self.shadow = shadow
-        backend = functools.partial(boost_backend, options={"lowering": "eager"})
+        backend = functools.partial(boost_backend, options={**options, "lowering": "eager"})
         self.eager = torch.compile(shadow, backend=backend, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -11,10 +11,11 @@ from boost_compiler.collectives import fake_process_group
 from examples.cola_llama import build, example_inputs
 
 
-def _plan(world: int, **overrides):
+def _plan(world: int, options: dict | None = None, **overrides):
     with fake_process_group(world):
         model = build("tiny", **overrides)
-        boost_compiler.parallelize(model, dist.group.WORLD, example_inputs(model.cfg, seq=16))
+        ids = example_inputs(model.cfg, seq=16)
+        boost_compiler.parallelize(model, dist.group.WORLD, ids, options=options)
         return model, model.boost_plan
 
 
@@ -39,20 +40,11 @@ def test_collectives_sit_on_the_rank_dim() -> None:
 
 def test_btp_alone_has_one_collective_per_factor() -> None:
     """With grouping and online norm off, the plain BTP structure (what they improve on)."""
-    from boost_compiler.detect import find_bottlenecks
-    from boost_compiler.parallel import resolve_group
-    from boost_compiler.passes import BottleneckTP, PassContext
-
-    with fake_process_group(2):
-        model = build("tiny")
-        cfg = model.cfg
-        (g,) = boost_compiler.capture(model, example_inputs(cfg, seq=16))
-        ctx = PassContext(g.param_names, find_bottlenecks(g.gm, g.param_names))
-        ctx.tp = resolve_group(dist.group.WORLD)
-        BottleneckTP(ctx)(g.gm.graph)
-        coll = ctx.notes["btp"].collectives
+    off = {"group_linears": False, "online_norm": False}
+    model, plan = _plan(2, options=off)
+    cfg = model.cfg
     b, s, r, layers = 2, 16, cfg.rank, cfg.n_layers
-    fwd = [c.global_shape for c in coll if c.forward and c.kind == "all_reduce"]
+    fwd = [c.global_shape for c in plan.collectives if c.forward and c.kind == "all_reduce"]
     assert fwd.count((b, s, r)) == 7 * layers  # one per down factor
     assert fwd.count((b, s, 1)) == 2 * layers + 1  # a statistics all-reduce per norm
 
