@@ -54,7 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `examples` lives in the repository root, not in the package
     sys.path.insert(0, str(ROOT))
 
-STRATEGIES = ("boost", "dtensor-lowrank", "dtensor-dense")
+STRATEGIES = ("boost", "boost-btp", "dtensor-lowrank", "dtensor-dense")
+# BTP alone: group_linears and online_norm off (what those two passes improve on).
+BTP_ONLY = {"group_linears": False, "online_norm": False}
 PROJS = {
     "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),
@@ -154,10 +156,11 @@ def dtensor_plan(strategy: str, n_layers: int) -> dict[str, Any]:
 
 def parallelize(strategy: str, model: nn.Module, mesh: Any, ids: torch.Tensor, world: int) -> None:
     """Shard ``model`` in place for ``strategy`` on the 1-D ``mesh``."""
-    if strategy == "boost":
+    if strategy in ("boost", "boost-btp"):
         import boost_compiler
 
-        boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
+        options = BTP_ONLY if strategy == "boost-btp" else None
+        boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids}, options=options)
         return
     from torch.distributed.tensor.parallel import parallelize_module
 

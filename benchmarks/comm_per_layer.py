@@ -176,6 +176,8 @@ def _analytic(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         # 7 latents all-reduced (q,k,v,o,gate,up,down), + one norm statistic per RMSNorm when
         # fused into the following all-reduce; backward: the same 7 latents' input grads.
         "boost": {"fwd": 7 * r + 2, "bwd": 7 * r},
+        # BTP alone: 7 separate latent all-reduces + 2 standalone statistics, both ways.
+        "boost-btp": {"fwd": 7 * r + 2, "bwd": 7 * r + 2},
         # outputs of every up factor: q (d) + k, v (kv) + o (d) + gate, up (ff) + down (d);
         # backward: input grads of every down factor: q,k,v,gate,up (d) + o (d) + down (ff).
         "dtensor-lowrank": {"fwd": d + 2 * kv + d + 2 * ff + d, "bwd": 6 * d + ff},

@@ -422,3 +422,37 @@ def compare_training_hf(
         "sharded": sum(pl.is_shard for pl in plan.params.values()),
         "bottlenecks": len(plan.bottlenecks),
     }
+
+
+def passes_step_time(*, world: int, mesh: Any, steps: int = 10, warmup: int = 2) -> dict[str, Any]:
+    """Compiled step time, default passes vs group_linears/online_norm off, interleaved.
+
+    The reference decoder (d=256, d_ff=688, r=64, 2 layers, b=2, s=64), SGD steps;
+    the two models alternate step by step so background load hits both alike.
+    """
+    import boost_compiler
+    from examples.cola_llama import build, example_inputs
+
+    ref = build("tiny", seed=9, d_model=256, rank=64, d_ff=688, n_layers=2)
+    (ids,) = example_inputs(ref.cfg, batch=2, seq=64, seed=10)
+    off = {"group_linears": False, "online_norm": False}
+    runs, opts = {}, {}
+    for name, options in (("on", {}), ("off", off)):
+        model = copy.deepcopy(ref)
+        boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids}, options=options)
+        runs[name] = torch.compile(model, backend="boost", options=options)
+        opts[name] = torch.optim.SGD(model.parameters(), lr=0.01)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for step in range(warmup + steps):
+        for name, run in runs.items():
+            dist.barrier()
+            start = time.perf_counter()
+            loss = run(ids, labels=ids)
+            opts[name].zero_grad()
+            loss.backward()
+            opts[name].step()
+            dist.barrier()
+            if step >= warmup:
+                times[name].append(time.perf_counter() - start)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {"median_s": med, "ratio_off_over_on": med["off"] / med["on"], "times": times}
