@@ -244,7 +244,7 @@ def checkpoint_modes(
     for layers in (1, 2):
         ref = build("tiny", seed=5, d_model=256, rank=64, d_ff=688, n_layers=layers)
         (ids,) = example_inputs(ref.cfg, batch=2, seq=128, seed=6)
-        for mode in (False, True, "full") if layers == 2 and full else (False, True):
+        for mode in (False, True, "full") if full else (False, True):
             model = copy.deepcopy(ref)
             boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
             graphs: list[int] = []  # collectives per Inductor graph: [forward, backward]
@@ -283,7 +283,7 @@ def checkpoint_modes(
             }
     base = out["False/2"]
     res: dict[str, Any] = {}
-    for mode in ("False", "True"):
+    for mode in ("False", "True", "full") if full else ("False", "True"):
         res[f"per_layer_{mode}"] = out[f"{mode}/2"]["saved"] - out[f"{mode}/1"]["saved"]
     for mode in ("False", "True", "full") if full else ("False", "True"):
         run_ = out[f"{mode}/2"]
