@@ -447,3 +447,186 @@ HAS_BOTTLENECK: dict[str, bool] = {
     "dense": False,
     "norm_between": False,
 }
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face decoders from tiny configs (random weights, no downloads), converted.
+# --------------------------------------------------------------------------------------
+
+HF_VOCAB = 96
+_HF_DECODER_DIMS: dict[str, object] = dict(
+    hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=HF_VOCAB, max_position_embeddings=32,
+)  # fmt: skip
+
+
+def hf_decoder(family: str, attn: str = "sdpa", **overrides: object) -> nn.Module:
+    """A dense ``<Family>ForCausalLM`` (llama, qwen2, mistral, gpt2) from a tiny config.
+
+    Grouped-query attention (4 query, 2 key/value heads) for the LLaMA-like
+    families; Qwen2 adds biases on q/k/v. GPT-2: fused ``c_attn`` (``Conv1D``),
+    tied LM head, learned positions, dropout off (a random mask would differ
+    between the single-device reference and the parallel run). The model is in
+    training mode, the cache on (HF's defaults).
+    """
+    import transformers as tf  # the optional [hf] extra
+
+    if family == "gpt2":
+        dims = dict(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=HF_VOCAB, n_positions=32,
+            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return tf.GPT2LMHeadModel(tf.GPT2Config(**{**dims, **overrides}, attn_implementation=attn))
+    classes = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }
+    cfg_cls, model_cls = classes[family]
+    return model_cls(cfg_cls(**{**_HF_DECODER_DIMS, **overrides}, attn_implementation=attn))
+
+
+def make_hf(
+    seed: int = 0, family: str = "llama", attn: str = "sdpa", layers: int = 2, method: str = "cola"
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:func:`hf_decoder` with ``layers`` blocks, converted by ``to_low_rank(multiple_of=8)``.
+
+    ``multiple_of=8`` keeps every rank divisible by the TP degrees tested (2, 4).
+    """
+    import boost_compiler
+
+    torch.manual_seed(seed)
+    key = "n_layer" if family == "gpt2" else "num_hidden_layers"
+    model = hf_decoder(family, attn, **{key: layers})
+    boost_compiler.to_low_rank(model, method=method, multiple_of=8)
+    return model, (_token_ids(HF_VOCAB),)
+
+
+def svd_sequential(model: nn.Module, rank_ratio: float = 0.25, multiple_of: int = 8) -> list[str]:
+    """Factor ``model``'s ``nn.Linear`` layers into ``nn.Sequential(Linear, Linear)`` pairs.
+
+    What third-party SVD compression code produces (truncated SVD, ``down`` without
+    bias, the bias on ``up``), written independently of ``to_low_rank`` so that
+    the compiler meets a layout it did not create. The output head and any
+    linear tied to an embedding stay dense. Returns the converted module names.
+    """
+    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    names = []
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear) or name.endswith("lm_head") or id(mod.weight) in tied:
+            continue
+        d_out, d_in = mod.weight.shape
+        r = int(rank_ratio * min(d_in, d_out)) // multiple_of * multiple_of
+        u, s, vh = torch.linalg.svd(mod.weight.detach(), full_matrices=False)
+        pair = nn.Sequential(
+            nn.Linear(d_in, r, bias=False), nn.Linear(r, d_out, bias=mod.bias is not None)
+        )
+        with torch.no_grad():
+            pair[0].weight.copy_(s[:r, None].sqrt() * vh[:r])
+            pair[1].weight.copy_(u[:, :r] * s[:r].sqrt())
+            if mod.bias is not None:
+                pair[1].bias.copy_(mod.bias)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, pair)
+        names.append(name)
+    return names
+
+
+def make_hf_svd_sequential(
+    seed: int = 0, family: str = "llama", attn: str = "sdpa"
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:func:`hf_decoder` with its projections factored by :func:`svd_sequential`."""
+    torch.manual_seed(seed)
+    model = hf_decoder(family, attn)
+    svd_sequential(model)
+    return model, (_token_ids(HF_VOCAB),)
+
+
+# --------------------------------------------------------------------------------------
+# LaX: latent crossing between consecutive layers.
+# --------------------------------------------------------------------------------------
+
+
+class LaxProj(nn.Module):
+    """A CoLA pair whose up factor also reads the previous layer's latent (LaX).
+
+    ``h_i = silu(down_i(x_i))`` is this layer's r-dim latent and
+    ``y_i = up_i(h_i + h_{i-1})``; ``forward`` returns ``(y_i, h_i)`` so the
+    caller hands ``h_i`` to the same projection of the next layer.
+    """
+
+    def __init__(self, d_in: int, d_out: int, rank: int) -> None:
+        super().__init__()
+        self.down = nn.Linear(d_in, rank, bias=False)
+        self.up = nn.Linear(rank, d_out, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, prev: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = F.silu(self.down(x))
+        return self.up(h if prev is None else h + prev), h
+
+
+class _LaxBlock(nn.Module):
+    NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+
+    def __init__(self, d: int, ff: int, heads: int, rank: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
+        dims = {"gate": (d, ff), "up": (d, ff), "down": (ff, d)}
+        self.proj = nn.ModuleDict(
+            {n: LaxProj(*dims.get(n, (d, d)), rank) for n in self.NAMES}  # type: ignore[misc]
+        )
+
+    def forward(
+        self, x: torch.Tensor, prev: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        latents: dict[str, torch.Tensor] = {}
+
+        def proj(name: str, inp: torch.Tensor) -> torch.Tensor:
+            y, latents[name] = self.proj[name](inp, prev.get(name))
+            return y
+
+        b, s, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (
+            proj(n, h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for n in "qkv"
+        )
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + proj("o", att.transpose(1, 2).reshape(b, s, d))
+        h = self.mlp_norm(x)
+        x = x + proj("down", F.silu(proj("gate", h)) * proj("up", h))
+        return x, latents
+
+
+class LaxLlama(nn.Module):
+    """A small CoLA-LLaMA with LaX latent crossing between consecutive blocks.
+
+    Every projection of block i adds the latent of the same projection of block
+    i-1 before its up factor. The crossing edges are r-wide element-wise
+    dataflow between bottlenecks of different layers: the compiler must keep
+    the latents replicated across them, as BOOST's boundaries already are.
+    """
+
+    def __init__(
+        self, vocab: int = 96, d: int = 64, ff: int = 160, heads: int = 4, rank: int = 16,
+        layers: int = 3,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(_LaxBlock(d, ff, heads, rank) for _ in range(layers))
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        latents: dict[str, torch.Tensor] = {}
+        for block in self.blocks:
+            x, latents = block(x, latents)
+        return self.lm_head(self.norm(x))
+
+
+def make_lax(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(seed)
+    return LaxLlama(), (_token_ids(96),)
