@@ -25,7 +25,12 @@ log = get_logger(__name__)
 class BottleneckTP(BoostPass):
     name = "btp"
     # The rewritten graph calls into these by name: their code is part of the result.
-    depends_on = ("boost_compiler.sharding", "boost_compiler.tp_ops", "boost_compiler.collectives")
+    depends_on = (
+        "boost_compiler.sharding",
+        "boost_compiler.sharding_rules",
+        "boost_compiler.tp_ops",
+        "boost_compiler.collectives",
+    )
 
     def run(self, graph: fx.Graph) -> None:
         tp = self.ctx.tp
