@@ -127,14 +127,24 @@ def _in_turns(tp: Any, compile_: Callable[[], Any]) -> Any:
     at the first backward), inside this rank's turn. Turns are taken with
     barriers on the group's own process group, outside any traced code; every
     rank compiles the same graphs in the same order (SPMD), so they match.
+
+    A compile that raises still takes part in every barrier, and raises after
+    them: dynamo restarts a frame's analysis by raising from inside the backend
+    (with ``dynamic=True``, its scalar-tensorify pass does), and a rank leaving
+    the turns early would pair its next barrier with another rank's collective.
     """
     pg = torch.distributed.distributed_c10d._resolve_process_group(tp.name)
-    fn = None
+    fn, error = None, None
     for turn in range(tp.size):
         if turn == tp.rank:
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                fn = compile_()
+            try:
+                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                    fn = compile_()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the turns
+                error = exc
         torch.distributed.barrier(group=pg)
+    if error is not None:
+        raise error
     return fn
 
 

@@ -83,6 +83,29 @@ def synchronise_rng(group: TPGroup) -> None:
         torch.cuda.set_rng_state(states[1])
 
 
+def refuse_eager_fallback() -> None:
+    """Make dynamo raise, not fall back to Python, for frames it gives up on.
+
+    A parallelized model's code runs on the shadow, whose parameters are NaN
+    placeholders with the global shapes (see :mod:`boost_compiler.parallel`).
+    When a frame of that code hits ``recompile_limit`` (Hugging Face forwards
+    share wrapper code objects between models, and every new shape, backend or
+    model instance adds a cache entry to them), dynamo's default is to run it
+    uncompiled: on the placeholders, which gives NaN or silently missing
+    gradients. ``fail_on_recompile_limit_hit`` turns that into dynamo's own
+    error, which names the frame and the limit to raise. Process-wide and set
+    by parallelize, since the user's ``torch.compile`` may enter such a frame before any graph
+    reaches the boost backend (a graph break at the top of the model).
+    """
+    if not torch._dynamo.config.fail_on_recompile_limit_hit:
+        log.info(
+            "parallelize: torch._dynamo.config.fail_on_recompile_limit_hit set to True: a frame of "
+            "a parallelized model must not fall back to eager Python (it would run on the "
+            "NaN placeholders)"
+        )
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
 def current_local(placeholder: nn.Parameter) -> torch.Tensor:
     """The tensor the owning module holds for this parameter now.
 
@@ -149,6 +172,7 @@ def parallelize(
     # Every check above ran on the captured copy: nothing was modified before here.
     _shard_in_place(model, plan, group, dict(options or {}))
     synchronise_rng(group)
+    refuse_eager_fallback()
     log.info(
         "parallelized %s over tp=%d: %d bottleneck(s), %d sharded parameter(s)",
         type(model).__name__,

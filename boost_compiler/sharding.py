@@ -107,7 +107,7 @@ class ShardingPropagator(OpRules):
                 self._call(node)
             else:
                 self.env[node] = R
-        for node in self.undecided:  # parameters only ever used replicated
+        for node in list(self.undecided):  # parameters only ever used replicated
             self._decide(node, R)
         for node, pl in self.env.items():  # for drawings and dumps (boost explain)
             node.meta["boost_placement"] = pl

@@ -113,3 +113,30 @@ def test_pass_uuid_covers_setting_and_analysis() -> None:
 def test_readme_names_the_ci_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_compile_in_turns_takes_every_barrier_when_the_compile_raises(
+    rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dynamo restarts analysis by raising from the backend: a rank that then skipped
+    its remaining barriers paired them with its peers' collectives (a deadlock seen
+    with ``dynamic=True``). Every rank must take ``p`` barriers per compile, then raise."""
+    import torch.distributed as dist
+
+    from boost_compiler.backend import _in_turns
+    from boost_compiler.collectives import fake_process_group
+    from boost_compiler.parallel import resolve_group
+
+    class Restart(Exception):
+        pass
+
+    def compile_() -> None:
+        raise Restart
+
+    barriers = []
+    with fake_process_group(2, rank=rank):
+        monkeypatch.setattr(dist, "barrier", lambda group=None: barriers.append(group))
+        with pytest.raises(Restart):
+            _in_turns(resolve_group(dist.group.WORLD), compile_)
+    assert len(barriers) == 2

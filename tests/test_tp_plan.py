@@ -137,3 +137,45 @@ def test_inductor_graphs_hold_exactly_the_planned_collectives() -> None:
     )
     assert [c for c in fwd if c[0] == "all_gather"] == [("all_gather", (b, s, d // 2))]
     assert not [c for c in bwd if c[0] == "all_gather"]
+
+
+class _BreakingBlock(torch.nn.Module):
+    """A bottleneck whose forward graph-breaks: dynamo resumes the rest in a new frame."""
+
+    def __init__(self, d: int = 16, r: int = 4) -> None:
+        super().__init__()
+        self.down = torch.nn.Linear(d, r, bias=False)
+        self.up = torch.nn.Linear(r, d, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(torch.relu(self.down(x)))
+        torch._dynamo.graph_break()
+        return (x + h * self.scale).sum()
+
+
+def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders() -> None:
+    """A frame dynamo gives up on would run the shadow's NaN placeholders: it must raise.
+
+    A graph break splits the model into frames; with ``recompile_limit=1`` the
+    frames captured once by ``parallelize``'s analysis are at their limit when the
+    user's compile enters them. Dynamo's default (run the frame uncompiled) gives
+    NaN here, which the second half checks, so the first half fails if the guard
+    in ``parallelize`` goes.
+    """
+    torch._dynamo.reset()
+    x = torch.randn(2, 3, 16)
+    with fake_process_group(2):
+        model = _BreakingBlock()
+        boost_compiler.parallelize(model, dist.group.WORLD, (x,))  # a plan across a break
+        assert torch._dynamo.config.fail_on_recompile_limit_hit
+        run = torch.compile(model, backend="boost", options={"lowering": "eager"})
+        try:
+            with torch._dynamo.config.patch(recompile_limit=1):
+                with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+                    run(x)
+                with torch._dynamo.config.patch(fail_on_recompile_limit_hit=False):
+                    assert run(x).isnan()  # what the guard prevents
+        finally:
+            torch._dynamo.config.fail_on_recompile_limit_hit = False
+            torch._dynamo.reset()

@@ -352,22 +352,49 @@ def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) ->
             )
         except Exception:  # reported to the test, which fails with the traceback
             results[key] = {"error": traceback.format_exc()}
-    Path(f"{out}.{rank}").write_text(json.dumps(results))
+        # Written after every check, so that what ran survives an abort.
+        Path(f"{out}.{rank}").write_text(json.dumps(results))
+        if "error" in results[key]:
+            # A rank that failed mid-check may have left its peers inside a collective;
+            # going on would pair later checks' collectives wrongly (garbage or a hang).
+            # Exiting closes the connections: the peers' pending collectives fail fast,
+            # and run_world reports the later checks as not run, naming this one.
+            os._exit(1)
     dist.destroy_process_group()
 
 
 def run_world(world: int, checks: list[tuple]) -> dict[str, Any]:
-    """Spawn ``world`` ranks once; return rank 0's results (errors from any rank)."""
+    """Spawn ``world`` ranks once; return rank 0's results (errors from any rank).
+
+    The first failed check stops the world: its error is reported from the rank(s)
+    where it happened, and every later check gets an error saying it did not run.
+    """
     tmp = tempfile.mkdtemp(prefix="boost-tp-")
     store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out")
-    mp.spawn(_worker, args=(world, store, checks, out), nprocs=world, join=True)
-    per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
-    results = per_rank[0]
-    for r, res in enumerate(per_rank[1:], start=1):
-        for key, val in res.items():
-            if isinstance(val, dict) and "error" in val:
-                results[key] = {"error": f"rank {r}: {val['error']}"}
+    try:
+        mp.spawn(_worker, args=(world, store, checks, out), nprocs=world, join=True)
+    except mp.ProcessExitedException as exc:  # a check failed: see the per-rank results
+        logging.getLogger(__name__).warning("run_world: %s", exc)
+    per_rank = [_read_results(f"{out}.{r}") for r in range(world)]
+    results = dict(per_rank[0])
+    failed = None
+    for key, *_ in checks:
+        errors = [
+            f"rank {r}: {res[key]['error']}"
+            for r, res in enumerate(per_rank)
+            if isinstance(res.get(key), dict) and "error" in res[key]
+        ]
+        if errors:
+            after = f"(after check {failed!r} failed) " if failed else ""
+            results[key] = {"error": after + "\n".join(errors)}
+            failed = failed or key
+        elif key not in results or any(key not in res for res in per_rank):
+            results[key] = {"error": f"not run: the ranks stopped after check {failed!r} failed"}
     return results
+
+
+def _read_results(path: str) -> dict[str, Any]:
+    return json.loads(Path(path).read_text()) if os.path.exists(path) else {}
 
 
 def compare_training_hf(
