@@ -6,7 +6,9 @@ Part 2: Hugging Face ``LlamaForCausalLM`` (SDPA and eager attention),
 head) from tiny configs, converted by ``to_low_rank(method="cola")``, trained
 three SGD steps through HF's own forward and loss on 2 gloo ranks against the
 single-process converted model: losses, logits and gathered gradients within
-1e-5 relative (fp32), with no gather fallback. Compiled for Llama and GPT-2.
+1e-5 relative (fp32), with no gather fallback. Llama and Qwen2 also with a
+left-padded batch (``attention_mask``, ``position_ids``, ignored labels).
+Compiled: GPT-2 in CI, Llama, Qwen2 and Mistral with ``BOOST_FULL_TESTS=1``.
 
 Part 3, layouts the compiler did not create, with no code change: SVD factors
 as ``nn.Sequential(Linear, Linear)`` pairs (in an HF Qwen2, biases on the up
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.tp_harness import RTOL, run_world
+from tests.tp_harness import FULL_TESTS, RTOL, SLOW_REASON, run_world
 
 pytest.importorskip("transformers")
 
@@ -39,13 +41,22 @@ CHECKS: dict[str, tuple[str, tuple]] = {
     "qwen2": (HF, ("make_hf", False, "qwen2")),
     "mistral": (HF, ("make_hf", False, "mistral")),
     "gpt2": (HF, ("make_hf", False, "gpt2")),
+    "llama/padded": (HF, ("make_hf", False, "llama", "sdpa"), {"padded": True}),
+    "qwen2/padded": (HF, ("make_hf", False, "qwen2", "sdpa"), {"padded": True}),
     "llama/compiled": (HF, ("make_hf", True, "llama", "sdpa", 1)),
     "gpt2/compiled": (HF, ("make_hf", True, "gpt2", "sdpa", 1)),
+    "qwen2/compiled": (HF, ("make_hf", True, "qwen2", "sdpa", 1)),
+    "mistral/compiled": (HF, ("make_hf", True, "mistral", "sdpa", 1)),
     "qwen2/svd-sequential": (HF, ("make_hf_svd_sequential", False, "qwen2")),
     "lax": ("compare_training", ("make_lax", False)),
     "llama/decode-with-cache": ("hf_decode_with_cache", ()),
 }
-TRAINING = [k for k, (fn, _) in CHECKS.items() if fn != "hf_decode_with_cache"]
+# Each compiled check is a cold Inductor compile per rank: CI compiles GPT-2 (LayerNorm,
+# Conv1D, fused q/k/v, tied head; tests/test_tp.py compiles CoLA-LLaMA's RMSNorm, RoPE
+# and SwiGLU); BOOST_FULL_TESTS=1 adds the other families, whose ops the eager checks
+# cover.
+SLOW = {"llama/compiled", "qwen2/compiled", "mistral/compiled"}
+TRAINING = [k for k, (fn, *_) in CHECKS.items() if fn != "hf_decode_with_cache"]
 # Bottlenecks per decoder block, and the parameters that may stay replicated.
 PER_BLOCK = {"llama": 7, "qwen2": 7, "mistral": 7, "gpt2": 4}
 REPLICATED = {"llama": ["lm_head.weight"], "qwen2": ["lm_head.weight"],
@@ -54,17 +65,20 @@ REPLICATED = {"llama": ["lm_head.weight"], "qwen2": ["lm_head.weight"],
 
 @pytest.fixture(scope="module")
 def two() -> dict:
-    return run_world(2, [(k, fn, args) for k, (fn, args) in CHECKS.items()])
+    selected = {k: c for k, c in CHECKS.items() if FULL_TESTS or k not in SLOW}
+    return run_world(2, [(k, *check) for k, check in selected.items()])
 
 
-def _ok(res: dict) -> dict:
+def _ok(res: dict | None, key: str = "") -> dict:
+    if res is None:
+        pytest.skip(f"{key}: {SLOW_REASON}")
     assert "error" not in res, res.get("error")
     return res
 
 
 @pytest.mark.parametrize("key", TRAINING)
 def test_exact_on_2_ranks(two: dict, key: str) -> None:
-    res = _ok(two[key])
+    res = _ok(two.get(key), key)
     print(
         f"{key}: loss err {res['loss_err']:.1e} grad err {res['grad_err']:.1e} "
         f"logits err {res.get('logits_err', 0):.1e} (fp32 noise {res.get('noise', 0):.1e}); "
@@ -79,13 +93,13 @@ def test_exact_on_2_ranks(two: dict, key: str) -> None:
 @pytest.mark.parametrize("key", list(CHECKS))
 def test_no_fallback(two: dict, key: str) -> None:
     """No gather fallback, at plan time (``plan.fallbacks``) or in any compile (warnings)."""
-    res = _ok(two[key])
+    res = _ok(two.get(key), key)
     assert res["fallbacks"] == [] and res["warnings"] == [], (res["fallbacks"], res["warnings"])
 
 
 @pytest.mark.parametrize("key", [k for k in TRAINING if CHECKS[k][0] == HF])
 def test_every_factor_found_and_sharded(two: dict, key: str) -> None:
-    res = _ok(two[key])
+    res = _ok(two.get(key), key)
     family = CHECKS[key][1][2]
     blocks = CHECKS[key][1][4] if len(CHECKS[key][1]) > 4 else 2
     assert res["bottlenecks"] == PER_BLOCK[family] * blocks
@@ -223,3 +237,11 @@ def test_op_without_rule_still_falls_back_with_a_warning(caplog: pytest.LogCaptu
         _, result = _propagate(Cumsum(), torch.randint(0, 40, (2, 5)))
     assert len(result.fallbacks) == 1 and "cumsum" in result.fallbacks[0]
     assert "cumsum" in caplog.text
+
+
+def test_padded_training_without_cache_gathers_only_the_head_input(two: dict) -> None:
+    """``use_cache=False`` (training): no keys or values leave the model, so the only
+    forward all-gather is the LM head's input (with the cache: one more per K and V)."""
+    res = _ok(two.get("llama/padded"), "llama/padded")
+    gathers = [c for c in res["collectives"] if c[0] == "all_gather" and c[2]]
+    assert len(gathers) == 1, res["collectives"]

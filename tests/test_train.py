@@ -184,7 +184,9 @@ def _kill_after_checkpoint(run: Launch, ckdir: Path, metrics: Path) -> int:
         if done is not None and metrics.exists() and max(read_metrics(metrics), default=-1) >= 3:
             break
         if not run.running():
-            raise AssertionError("the run ended before it could be killed")
+            tails = "\n".join(f"--- rank {r}:\n{log.read_text()[-3000:]}" for r, log in
+                              enumerate(run.logs))  # fmt: skip
+            raise AssertionError(f"the run ended before it could be killed:\n{tails}")
         time.sleep(0.05)
     else:
         run.kill()
@@ -204,7 +206,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     # Phase 1, concurrently: tp=2, dp=2, dp=2 x tp=2, a tp=2 run that will be killed;
-    # the single-process run in this process meanwhile.
+    # then the single-process run in this process.
     launches = {
         name: Launch.start(world, tmp / name, checkpoint_dir=tmp / name / "ckpt",
                            metrics=tmp / name / "metrics.jsonl", **kw)
@@ -212,13 +214,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                 ("dp2tp2", 4, {"dp": 2, "tp": 2}),
                                 ("kill", 2, {"tp": 2, "throttle": 0.5}))
     }  # fmt: skip
+    # The kill first: polled from here, it must not wait behind the in-process run
+    # (on a loaded machine the throttled run could otherwise end before it is killed).
+    out["killed_after"] = _kill_after_checkpoint(
+        launches["kill"], tmp / "kill" / "ckpt", tmp / "kill" / "metrics.jsonl"
+    )
     out["single"] = _in_process(
         checkpoint_dir=str(tmp / "single" / "ckpt"), metrics=str(tmp / "single" / "metrics.jsonl")
     )
     timings["single"] = time.monotonic() - t0
-    out["killed_after"] = _kill_after_checkpoint(
-        launches["kill"], tmp / "kill" / "ckpt", tmp / "kill" / "metrics.jsonl"
-    )
     out["killed_latest"] = killed = latest(tmp / "kill" / "ckpt")
     assert killed is not None
     # What a crash in the middle of the next save leaves: a partial step_N.tmp.

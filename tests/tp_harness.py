@@ -8,6 +8,7 @@ and rank 0's results (plus failures from any rank) come back to the test.
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import logging
 import os
@@ -100,12 +101,15 @@ class _WarningLog(logging.Handler):
         return self.messages
 
 
-def other_shapes_and_kwargs(compiled: bool, *, world: int, mesh: Any) -> dict[str, Any]:
+def other_shapes_and_kwargs(
+    compiled: bool, *, world: int, mesh: Any, lowering: str = "inductor"
+) -> dict[str, Any]:
     """Parallelize with one example, then call with other batch/seq sizes, labels, eval.
 
     Compiled (``dynamic=True``: one graph with symbolic batch and sequence sizes,
     so the sharding rules run on SymInts), the two new shapes only: each extra
-    graph costs a full compile on a 2-core CI machine.
+    graph costs a full compile on a 2-core CI machine. ``lowering="eager"`` runs
+    the same symbolic graphs without Inductor.
     """
     import boost_compiler
     from examples.cola_llama import build, example_inputs
@@ -114,7 +118,10 @@ def other_shapes_and_kwargs(compiled: bool, *, world: int, mesh: Any) -> dict[st
     ref = copy.deepcopy(model)
     cfg = model.cfg
     boost_compiler.parallelize(model, mesh, example_inputs(cfg, batch=2, seq=16))
-    run = torch.compile(model, backend="boost", dynamic=True) if compiled else model
+    options = {"lowering": lowering}
+    run = (
+        torch.compile(model, backend="boost", dynamic=True, options=options) if compiled else model
+    )
     errs = {}
     for name, (b, s) in {"batch3": (3, 16), "seq24": (2, 24), "b1s8": (1, 8)}.items():
         if compiled and b == 1:
@@ -135,7 +142,12 @@ def other_shapes_and_kwargs(compiled: bool, *, world: int, mesh: Any) -> dict[st
 
 
 def passes_on_vs_off(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
-    """Compiled, default passes vs ``group_linears``/``online_norm`` off: same numbers."""
+    """Compiled, default passes vs ``group_linears``/``online_norm`` off: same numbers.
+
+    Lowered eagerly: the passes act on the dynamo graph, before any lowering, and
+    the Inductor-lowered default passes are checked against one device by
+    :func:`compare_training` (``make_cola_llama/compiled``).
+    """
     import boost_compiler
     from tests import models
 
@@ -144,9 +156,11 @@ def passes_on_vs_off(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]
     kw = {"labels": inputs[0]}
     for m in (model, off):
         boost_compiler.parallelize(m, mesh, inputs, kw)
+    eager = {"lowering": "eager"}
+    off_opts = {**eager, "group_linears": False, "online_norm": False}
     runs = [
-        torch.compile(model, backend="boost"),
-        torch.compile(off, backend="boost", options={"group_linears": False, "online_norm": False}),
+        torch.compile(model, backend="boost", options=eager),
+        torch.compile(off, backend="boost", options=off_opts),
     ]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, off)]
     loss_err = grad_err = 0.0
@@ -339,7 +353,12 @@ def param_memory(*, world: int, mesh: Any) -> dict[str, Any]:
 def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # A rank waits at most for its peers' compiles (compile_in_turns); a hang from a
+    # mismatched collective then fails in 10 minutes, not gloo's default 30.
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(minutes=10),
+    )  # fmt: skip
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -399,7 +418,7 @@ def _read_results(path: str) -> dict[str, Any]:
 
 def compare_training_hf(
     maker: str, compiled: bool, *maker_args: Any, world: int, mesh: Any, steps: int = 3,
-    lr: float = 1e-3,
+    lr: float = 1e-3, padded: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """:func:`compare_training` for models called with ``labels=`` that return ``.loss``.
 
@@ -418,6 +437,11 @@ def compare_training_hf(
     (Llama: 1.8e-5 at lr=0.1): fp32 reordering alone would fail a 1e-5 bound.
     At 1e-3 it stays at 2-4e-6, and the parameters still move by a few percent.
 
+    ``padded``: a left-padded batch, as batched generation or packed fine-tuning
+    data bring: ``attention_mask`` zero on the first tokens of one row, the
+    ``position_ids`` that count only real tokens, labels -100 on the padding;
+    and ``use_cache=False``, as training should call HF models.
+
     Starts from a reset dynamo: see :func:`_fresh_dynamo`.
     """
     import boost_compiler
@@ -433,7 +457,16 @@ def compare_training_hf(
         g = torch.Generator().manual_seed(1)
         for prm in twin.parameters():
             prm.mul_(1 + 1e-7 * torch.randn(prm.shape, generator=g))
-    kw = {"labels": inputs[0]}
+    kw: dict[str, Any] = {"labels": inputs[0]}
+    if padded:
+        mask = torch.ones_like(inputs[0])
+        mask[-1, :5] = 0
+        kw = {
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp_min(0),
+            "labels": inputs[0].masked_fill(mask == 0, -100),
+            "use_cache": False,  # training: no keys/values returned, none gathered
+        }
     boost_compiler.parallelize(model, mesh, inputs, kw)
     plan = model.boost_plan
     run = torch.compile(model, backend="boost") if compiled else model
