@@ -93,15 +93,19 @@ def refuse_eager_fallback() -> None:
     model instance adds a cache entry to them), dynamo's default is to run it
     uncompiled: on the placeholders, which gives NaN or silently missing
     gradients. ``fail_on_recompile_limit_hit`` turns that into dynamo's own
-    error, which names the frame and the limit to raise. Process-wide and set
-    by parallelize, since the user's ``torch.compile`` may enter such a frame before any graph
-    reaches the boost backend (a graph break at the top of the model).
+    error, which names the frame and the limit to raise. (Every parallelized
+    model's forward wrapper is one frame too, so the limit also counts the
+    compiled parallelized models of a process and their shape variants.)
+
+    Process-wide, and set here rather than in the backend: the user's
+    ``torch.compile`` may enter such a frame before any graph reaches the
+    backend (a graph break at the top of the model).
     """
     if not torch._dynamo.config.fail_on_recompile_limit_hit:
         log.info(
-            "parallelize: torch._dynamo.config.fail_on_recompile_limit_hit set to True: a frame of "
-            "a parallelized model must not fall back to eager Python (it would run on the "
-            "NaN placeholders)"
+            "parallelize: set torch._dynamo.config.fail_on_recompile_limit_hit=True: a frame "
+            "of a parallelized model must not fall back to eager Python (it would run on "
+            "the NaN placeholders)"
         )
         torch._dynamo.config.fail_on_recompile_limit_hit = True
 

@@ -365,6 +365,11 @@ def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) ->
     results: dict[str, Any] = {}
     for key, fn_name, args, *kwargs in checks:
         torch.manual_seed(0)
+        # Each check starts from dynamo's state in a fresh process: compiled models of
+        # earlier checks would otherwise count against recompile_limit on the frames
+        # they share (every parallelized model's forward wrapper; HF's wrapper code
+        # objects), and parallelize makes reaching that limit an error.
+        torch._dynamo.reset()
         try:
             results[key] = globals()[fn_name](
                 *args, **(kwargs[0] if kwargs else {}), world=world, mesh=mesh
@@ -441,13 +446,10 @@ def compare_training_hf(
     data bring: ``attention_mask`` zero on the first tokens of one row, the
     ``position_ids`` that count only real tokens, labels -100 on the padding;
     and ``use_cache=False``, as training should call HF models.
-
-    Starts from a reset dynamo: see :func:`_fresh_dynamo`.
     """
     import boost_compiler
     from tests import models
 
-    _fresh_dynamo()
     clock = _Clock()
     warned = _WarningLog()
     model, inputs = getattr(models, maker)(0, *maker_args)
@@ -514,7 +516,6 @@ def hf_decode_with_cache(*, world: int, mesh: Any) -> dict[str, Any]:
     import boost_compiler
     from tests import models
 
-    _fresh_dynamo()
     clock = _Clock()
     warned = _WarningLog()
     model, (ids,) = models.make_hf(0, "llama", "sdpa", 1)
@@ -567,22 +568,6 @@ def passes_step_time(*, world: int, mesh: Any, steps: int = 10, warmup: int = 2)
                 times[name].append(time.perf_counter() - start)
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     return {"median_s": med, "ratio_off_over_on": med["off"] / med["on"], "times": times}
-
-
-def _fresh_dynamo() -> None:
-    """Reset dynamo's caches, so a check sees the process as a fresh one would.
-
-    Hugging Face forwards of every family share wrapper code objects
-    (``transformers.utils.deprecation.wrapped_func``, ``utils.generic.wrapper``), and
-    dynamo keeps its cache entries per code object: each model built in the same
-    process adds entries to the same frames. After 8 (the default
-    ``recompile_limit``, which the user's ``torch.compile`` runs under) dynamo
-    gives up on such a frame and runs it uncompiled; in a parallelized model whose
-    outer compile graph-breaks inside HF code, that runs the shadow's NaN
-    placeholders (observed: gradients None on the real shards, and later captures
-    of the skipped code produced no graph).
-    """
-    torch._dynamo.reset()
 
 
 class _Clock:
