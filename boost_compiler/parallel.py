@@ -93,9 +93,7 @@ def refuse_eager_fallback() -> None:
     model instance adds a cache entry to them), dynamo's default is to run it
     uncompiled: on the placeholders, which gives NaN or silently missing
     gradients. ``fail_on_recompile_limit_hit`` turns that into dynamo's own
-    error, which names the frame and the limit to raise. (Every parallelized
-    model's forward wrapper is one frame too, so the limit also counts the
-    compiled parallelized models of a process and their shape variants.)
+    error, which names the frame and the limit to raise.
 
     Process-wide, and set here rather than in the backend: the user's
     ``torch.compile`` may enter such a frame before any graph reaches the

@@ -367,8 +367,8 @@ def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) ->
         torch.manual_seed(0)
         # Each check starts from dynamo's state in a fresh process: compiled models of
         # earlier checks would otherwise count against recompile_limit on the frames
-        # they share (every parallelized model's forward wrapper; HF's wrapper code
-        # objects), and parallelize makes reaching that limit an error.
+        # they share (HF's wrapper code objects; frames compiled under other backends
+        # and options), and parallelize makes reaching that limit an error.
         torch._dynamo.reset()
         try:
             results[key] = globals()[fn_name](
