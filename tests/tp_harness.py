@@ -376,8 +376,10 @@ def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) ->
             )
         except Exception:  # reported to the test, which fails with the traceback
             results[key] = {"error": traceback.format_exc()}
-        # Written after every check, so that what ran survives an abort.
-        Path(f"{out}.{rank}").write_text(json.dumps(results))
+        # Written after every check, so that what ran survives an abort; atomically,
+        # since mp.spawn terminates the other ranks once one exits with an error.
+        Path(f"{out}.{rank}.tmp").write_text(json.dumps(results))
+        os.replace(f"{out}.{rank}.tmp", f"{out}.{rank}")
         if "error" in results[key]:
             # A rank that failed mid-check may have left its peers inside a collective;
             # going on would pair later checks' collectives wrongly (garbage or a hang).
