@@ -330,10 +330,7 @@ class OpRules:
         x = node.args[0]
         pl = self.placement(x)
         if not pl.is_shard:
-            self.env[node] = pl if pl != P else R
-            if pl == P:
-                self._replicate_inputs(node)
-            return
+            return self._call_replicated(node, pl)
         src, dst = len(shape_of(x)), len(shape_of(node))
         t = node.target
         if t == "transpose":

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.tp_harness import FULL_TESTS, RTOL, SLOW_REASON, run_world
+from tests.tp_harness import FULL_TESTS, RTOL, result_of, run_world
 
 pytest.importorskip("transformers")
 
@@ -69,16 +69,15 @@ def two() -> dict:
     return run_world(2, [(k, *check) for k, check in selected.items()])
 
 
-def _ok(res: dict | None, key: str = "") -> dict:
-    if res is None:
-        pytest.skip(f"{key}: {SLOW_REASON}")
+def _ok(results: dict, key: str) -> dict:
+    res = result_of(results, key)
     assert "error" not in res, res.get("error")
     return res
 
 
 @pytest.mark.parametrize("key", TRAINING)
 def test_exact_on_2_ranks(two: dict, key: str) -> None:
-    res = _ok(two.get(key), key)
+    res = _ok(two, key)
     print(
         f"{key}: loss err {res['loss_err']:.1e} grad err {res['grad_err']:.1e} "
         f"logits err {res.get('logits_err', 0):.1e} (fp32 noise {res.get('noise', 0):.1e}); "
@@ -93,13 +92,13 @@ def test_exact_on_2_ranks(two: dict, key: str) -> None:
 @pytest.mark.parametrize("key", list(CHECKS))
 def test_no_fallback(two: dict, key: str) -> None:
     """No gather fallback, at plan time (``plan.fallbacks``) or in any compile (warnings)."""
-    res = _ok(two.get(key), key)
+    res = _ok(two, key)
     assert res["fallbacks"] == [] and res["warnings"] == [], (res["fallbacks"], res["warnings"])
 
 
 @pytest.mark.parametrize("key", [k for k in TRAINING if CHECKS[k][0] == HF])
 def test_every_factor_found_and_sharded(two: dict, key: str) -> None:
-    res = _ok(two.get(key), key)
+    res = _ok(two, key)
     family = CHECKS[key][1][2]
     blocks = CHECKS[key][1][4] if len(CHECKS[key][1]) > 4 else 2
     assert res["bottlenecks"] == PER_BLOCK[family] * blocks
@@ -108,7 +107,7 @@ def test_every_factor_found_and_sharded(two: dict, key: str) -> None:
 
 def test_decoding_with_a_gathered_cache(two: dict) -> None:
     """Prefix, then one token at a time with the returned cache: logits exact."""
-    res = _ok(two["llama/decode-with-cache"])
+    res = _ok(two, "llama/decode-with-cache")
     print(res["errs"])
     assert len(res["errs"]) == 4 and max(res["errs"]) <= RTOL
 
@@ -121,7 +120,7 @@ def test_hf_llama_plan_has_boost_collectives(two: dict) -> None:
     ones; the final norm adds one each way. Gathered: the LM head's input, and
     the keys and values HF returns as its cache (``use_cache`` defaults on).
     """
-    res = _ok(two["llama/sdpa"])
+    res = _ok(two, "llama/sdpa")
     cs = [tuple(c) for c in res["collectives"]]  # (kind, reason, forward, backward)
     fwd = [c for c in cs if c[0] == "all_reduce" and c[2]]
     bwd = [c for c in cs if c[0] == "all_reduce" and c[3]]
@@ -242,6 +241,6 @@ def test_op_without_rule_still_falls_back_with_a_warning(caplog: pytest.LogCaptu
 def test_padded_training_without_cache_gathers_only_the_head_input(two: dict) -> None:
     """``use_cache=False`` (training): no keys or values leave the model, so the only
     forward all-gather is the LM head's input (with the cache: one more per K and V)."""
-    res = _ok(two.get("llama/padded"), "llama/padded")
+    res = _ok(two, "llama/padded")
     gathers = [c for c in res["collectives"] if c[0] == "all_gather" and c[2]]
     assert len(gathers) == 1, res["collectives"]

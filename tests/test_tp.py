@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tp_harness import FULL_TESTS, RTOL, SLOW_REASON, run_world
+from tests.tp_harness import FULL_TESTS, RTOL, result_of, run_world
 
 MODELS = ["make_cola_llama", "make_cola_ref_layout", "make_gpt2_svd", "make_gqa_cola"]
 # Each compiled variant with Inductor costs a cold compile per rank (about a minute on
@@ -46,12 +46,6 @@ def _selected(checks: list[tuple], slow: set[str]) -> list[tuple]:
     return [c for c in checks if FULL_TESTS or c[0] not in slow]
 
 
-def _result(results: dict, key: str) -> dict:
-    if key not in results:
-        pytest.skip(f"{key}: {SLOW_REASON}")
-    return results[key]
-
-
 @pytest.fixture(scope="module")
 def two() -> dict:
     return run_world(2, _selected(TWO, SLOW))
@@ -72,25 +66,25 @@ def _check_exact(res: dict) -> None:
 
 @pytest.mark.parametrize("key", EXACT_TWO)
 def test_exact_on_2_ranks(two: dict, key: str) -> None:
-    _check_exact(_result(two, key))
+    _check_exact(result_of(two, key))
 
 
 @pytest.mark.parametrize("key", EXACT_FOUR)
 def test_exact_on_4_ranks(four: dict, key: str) -> None:
-    _check_exact(_result(four, key))
+    _check_exact(result_of(four, key))
 
 
 @pytest.mark.parametrize("key", EXACT_TWO + [f"4:{k}" for k in EXACT_FOUR])
 def test_no_fallback_anywhere(two: dict, four: dict, key: str) -> None:
     """Every example model is fully sharded: no gather fallback at plan or compile time."""
-    res = _result(four, key[2:]) if key.startswith("4:") else _result(two, key)
+    res = result_of(four, key[2:]) if key.startswith("4:") else result_of(two, key)
     assert "error" not in res, res.get("error")
     assert res["fallbacks"] == [] and res["warnings"] == [], (res["fallbacks"], res["warnings"])
 
 
 @pytest.mark.parametrize("mode", ["eager", "dynamic", "compiled"])
 def test_other_batch_seq_kwargs_and_eval(two: dict, mode: str) -> None:
-    res = _result(two, f"shapes/{mode}")
+    res = result_of(two, f"shapes/{mode}")
     assert "error" not in res, res.get("error")
     print(res)
     assert len(res) == (5 if mode == "eager" else 2)
@@ -100,7 +94,7 @@ def test_other_batch_seq_kwargs_and_eval(two: dict, mode: str) -> None:
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_dropout_replicas_agree_and_shards_differ(two: dict, mode: str) -> None:
     """Ranks start from different random streams; dropout stays consistent anyway."""
-    res = _result(two, f"dropout/{mode}")
+    res = result_of(two, f"dropout/{mode}")
     assert "error" not in res, res.get("error")
     print(res)
     assert res["latent_diff"] == [0.0, 0.0]  # the r-dim latent: one mask on every rank

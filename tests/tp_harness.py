@@ -28,6 +28,15 @@ FULL_TESTS = os.environ.get("BOOST_FULL_TESTS") == "1"
 SLOW_REASON = "a costly compiled variant; BOOST_FULL_TESTS=1 runs it"
 
 
+def result_of(results: dict[str, Any], key: str) -> dict[str, Any]:
+    """A check's result, or a skip when this tier did not select the check."""
+    import pytest
+
+    if key not in results:
+        pytest.skip(f"{key}: {SLOW_REASON}")
+    return results[key]
+
+
 def _gathered_grad(prm: torch.Tensor, placement: Any, world: int) -> torch.Tensor:
     if not placement.is_shard:
         return prm.grad
