@@ -380,7 +380,7 @@ def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) ->
         # and options), and parallelize makes reaching that limit an error.
         torch._dynamo.reset()
         try:
-            results[key] = globals()[fn_name](
+            results[key] = _check_fn(fn_name)(
                 *args, **(kwargs[0] if kwargs else {}), world=world, mesh=mesh
             )
         except Exception:  # reported to the test, which fails with the traceback
@@ -396,6 +396,16 @@ def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) ->
             # and run_world reports the later checks as not run, naming this one.
             os._exit(1)
     dist.destroy_process_group()
+
+
+def _check_fn(name: str) -> Any:
+    """A check of this module by name, or ``"package.module:function"`` of another."""
+    if ":" in name:
+        import importlib
+
+        module, fn = name.split(":")
+        return getattr(importlib.import_module(module), fn)
+    return globals()[name]
 
 
 def run_world(world: int, checks: list[tuple]) -> dict[str, Any]:
