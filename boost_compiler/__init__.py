@@ -34,9 +34,11 @@ from .convert import (
 )
 from .detect import Bottleneck, detect
 from .errors import (
+    AlreadyParallelizedError,
     BoostError,
     CaptureError,
     MeshError,
+    MutationError,
     OptionError,
     OptionTypeError,
     ShardingError,
@@ -53,6 +55,7 @@ from .state_dict import StateDictError, gather_state_dict, load_state_dict
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlreadyParallelizedError",
     "BoostError",
     "BoostOptions",
     "Bottleneck",
@@ -63,6 +66,7 @@ __all__ = [
     "LayerConversion",
     "LowRankLinear",
     "MeshError",
+    "MutationError",
     "OptionError",
     "OptionTypeError",
     "PatternError",

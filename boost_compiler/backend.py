@@ -86,10 +86,11 @@ def boost_backend(
     ctx = PassContext(param_names=params)
     shards = {i: x for i, x in enumerate(example_inputs) if hasattr(x, "_boost_local")}
     if shards:
-        if not (opts.enabled("btp") and opts.enabled("detect_bottlenecks")):
+        required = ("functionalize", "detect_bottlenecks", "btp")
+        if not all(opts.enabled(name) for name in required):
             raise OptionTypeError(
-                "this model was prepared by boost_compiler.parallelize: the 'btp' and "
-                "'detect_bottlenecks' passes cannot be switched off for it"
+                "this model was prepared by boost_compiler.parallelize: the passes "
+                f"{', '.join(map(repr, required))} cannot be switched off for it"
             )
         ctx.tp = next(iter(shards.values()))._boost_group
         ctx.fixed = {x._boost_fqn: x._boost_placement for x in shards.values()}

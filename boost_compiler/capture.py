@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from ._logging import get_logger
-from .errors import CaptureError
+from .errors import BoostError, CaptureError, MutationError
 
 log = get_logger(__name__)
 
@@ -109,19 +109,45 @@ def capture(
     model: nn.Module,
     example_inputs: Sequence[Any] = (),
     example_kwargs: Mapping[str, Any] | None = None,
+    refuse_parameter_writes: bool = False,
 ) -> list[CapturedGraph]:
     """Trace ``model(*example_inputs, **example_kwargs)`` with dynamo.
 
     Returns every graph dynamo produced (more than one when the model has
     graph breaks). Raises :class:`CaptureError` when the inputs do not run
-    through the model, with the model's own exception chained.
+    through the model, with the model's own exception chained. The model runs
+    once, but graph inputs its forward writes into (a running statistic, a
+    cache) are given copies: capturing changes no buffer, parameter or input.
+    With ``refuse_parameter_writes`` a forward that writes into a parameter
+    raises :class:`MutationError` before it runs.
     """
+    from .passes.functionalize import describe_write, written_inputs
+
     graphs: list[CapturedGraph] = []
 
     def record(gm: fx.GraphModule, inputs: list[Any]) -> Any:
         params, buffers = placeholder_names(gm, inputs, model)
         graphs.append(CapturedGraph(gm, list(inputs), params, buffers))
-        return gm.forward
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        written = written_inputs(gm.graph)
+        for i, node in written.items():
+            fqn = params.get(placeholders[i].name)
+            if fqn is not None and refuse_parameter_writes:
+                raise MutationError(
+                    f"{describe_write(node)} writes into parameter {fqn!r} during the forward; "
+                    "a parallelized parameter is a shard on each rank. Change parameters "
+                    "outside the forward (e.g. under torch.no_grad() before the call)"
+                )
+        if not written:
+            return gm.forward
+
+        def on_copies(*args: Any) -> Any:
+            args_ = list(args)
+            for i in written:
+                args_[i] = args_[i].detach().clone()
+            return gm.forward(*args_)
+
+        return on_copies
 
     kwargs = dict(example_kwargs or {})
     # Capture must not be cut short by the recompile limit when many models of
@@ -135,6 +161,9 @@ def capture(
         try:
             compiled(*example_inputs, **kwargs)
         except Exception as exc:  # the model's own error, re-raised with context
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, BoostError):  # ours, from inside the recording backend
+                raise inner from None
             raise CaptureError(
                 f"{type(model).__name__} did not run with the example inputs "
                 f"({_describe(example_inputs, kwargs)}): {type(exc).__name__}: {exc}"

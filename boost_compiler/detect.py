@@ -138,7 +138,11 @@ def detect_in(graphs: Sequence[CapturedGraph]) -> list[Bottleneck]:
     """Bottlenecks over several captured graphs, deduplicated by factor names."""
     seen: set[tuple[str, str]] = set()
     out: list[Bottleneck] = []
+    from .passes import FRONT, PassContext
+
     for g in graphs:
+        for cls in FRONT:  # in-place ops made functional: readers see what they read
+            cls(PassContext(g.param_names))(g.gm.graph)
         for b in find_bottlenecks(g.gm, g.param_names):
             if (b.down, b.up) not in seen:
                 seen.add((b.down, b.up))

@@ -32,3 +32,11 @@ class ShardingError(BoostError, ValueError):
 
 class MeshError(BoostError, ValueError):
     """The device mesh or process group given to ``parallelize`` is unusable."""
+
+
+class MutationError(BoostError, RuntimeError):
+    """An in-place write that cannot be rewritten exactly (names the op and the source line)."""
+
+
+class AlreadyParallelizedError(BoostError, RuntimeError):
+    """``parallelize`` was called on a model that is already parallelized."""

@@ -28,9 +28,9 @@ from ._logging import get_logger
 from .capture import capture
 from .collectives import group_name_of
 from .detect import find_bottlenecks
-from .errors import MeshError
+from .errors import AlreadyParallelizedError, MeshError
 from .options import BoostOptions
-from .passes import TP_PASSES, PassContext
+from .passes import FRONT, TP_PASSES, PassContext
 from .placement import Placement, R
 from .plan import TPPlan
 
@@ -154,15 +154,18 @@ def parallelize(
         loss = model(*example_inputs(model.cfg), labels=example_inputs(model.cfg)[0])
     """
     opts = BoostOptions.parse(options)
+    _refuse_parallelized(model)
     group = resolve_group(tp_mesh)
-    graphs = capture(model, tuple(example_inputs), example_kwargs)
+    graphs = capture(model, tuple(example_inputs), example_kwargs, refuse_parameter_writes=True)
 
     plan = TPPlan(p=group.size, group=group.name)
     for g in graphs:
-        bottlenecks = find_bottlenecks(g.gm, g.param_names)
         # The same passes the backend runs by default, so the plan lists the
         # collectives a default torch.compile(backend="boost") executes.
-        ctx = PassContext(g.param_names, bottlenecks, tp=group, fixed=dict(plan.params))
+        ctx = PassContext(g.param_names, tp=group, fixed=dict(plan.params))
+        for cls in FRONT:
+            cls(ctx)(g.gm.graph)
+        bottlenecks = ctx.bottlenecks = find_bottlenecks(g.gm, g.param_names)
         for cls in TP_PASSES:
             if opts.enabled(cls.name):
                 cls(ctx, opts.passes[cls.name])(g.gm.graph)
@@ -186,6 +189,21 @@ def parallelize(
     return model
 
 
+def _refuse_parallelized(model: nn.Module) -> None:
+    """A second ``parallelize`` would shard the shards (and trace the NaN placeholders)."""
+    if isinstance(model.__dict__.get("forward"), _ShadowForward):
+        raise AlreadyParallelizedError(
+            f"{type(model).__name__} is already parallelized (its plan is model.boost_plan); "
+            "call parallelize once per model, on the single-device model"
+        )
+    for name, prm in model.named_parameters():
+        if getattr(prm, "_boost_shard", False):
+            raise AlreadyParallelizedError(
+                f"parameter {name!r} of {type(model).__name__} is already a tensor-parallel "
+                "shard: a part of a parallelized model cannot be parallelized again"
+            )
+
+
 def _shard_in_place(
     model: nn.Module, plan: TPPlan, group: TPGroup, options: dict[str, Any]
 ) -> None:
@@ -206,6 +224,7 @@ def _shard_in_place(
         placement = plan.params.setdefault(fqn, R)
         plan.param_shapes[fqn] = tuple(prm.shape)
         local = nn.Parameter(local_shard(prm, placement, group), prm.requires_grad)
+        local._boost_shard = True  # type: ignore[attr-defined]
         placeholder = nn.Parameter(
             torch.full((), float("nan"), dtype=prm.dtype, device=prm.device).expand(prm.shape),
             prm.requires_grad,

@@ -32,8 +32,9 @@ import torch.fx as fx
 from . import collectives as C
 from ._logging import get_logger
 from .detect import Bottleneck
-from .errors import ShardingError
+from .errors import MutationError, ShardingError
 from .graph_ops import shape_of, value_of
+from .passes.functionalize import is_mutation
 from .placement import P, Placement, R, S, unblock
 from .sharding_rules import _SPLITS, OpRules, _describe, _requires_grad
 
@@ -248,6 +249,11 @@ class ShardingPropagator(OpRules):
             self.env[node] = R
 
     def _fallback(self, node: fx.Node) -> None:
+        if is_mutation(node):  # gathering a copy and writing into it would lose the write
+            raise MutationError(
+                f"{_describe(node)}: an in-place op reached sharding propagation; the "
+                "'functionalize' pass must run first (this is a boost-compiler bug)"
+            )
         msg = f"{_describe(node)}: no sharding rule, gathering its inputs (exact, slower)"
         log.warning("btp: %s", msg)
         self.result.fallbacks.append(msg)

@@ -35,6 +35,7 @@ _ELEMENTWISE_FN = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
     torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.exp,
     torch.sigmoid, torch.tanh, torch.relu, torch.where, torch.clone,
+    torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
     F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.leaky_relu,
 }  # fmt: skip
 _ELEMENTWISE_METHOD = {
@@ -94,7 +95,11 @@ class OpRules:
                 return self._cat
             if t in (torch.reshape,):
                 return self._view
+            if t in (torch.slice_scatter, torch.select_scatter):
+                return self._scatter
         elif node.op == "call_method":
+            if node.meta.get("boost_input_write"):
+                return self._input_write
             if t in _ELEMENTWISE_METHOD:
                 return self._elementwise
             if t in _VIEW_METHOD:
@@ -447,6 +452,35 @@ class OpRules:
                 node.replace_input_with(t, self.to_shard(t, pl.dim, node))
         self.set(node, pl)
 
+    def _scatter(self, node: fx.Node) -> None:
+        """``slice_scatter``/``select_scatter`` (written by ``functionalize``) off the shard dim."""
+        base, src = node.args[0], node.args[1]
+        if P in (self.peek(base), self.peek(src)):
+            self._replicate_inputs(node)
+            base, src = node.args[0], node.args[1]
+        nd = len(shape_of(base))
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0) % nd
+        pb, ps = self.placement(base), self.placement(src)
+        if pb == R and ps == R:
+            self.env[node] = R
+            return
+        select = node.target is torch.select_scatter
+        k = pb.dim if pb.is_shard else ps.dim + (1 if select and ps.dim >= dim else 0)
+        k_src = k - (1 if select and k > dim else 0)  # src lacks the selected dim
+        if k == dim or pb.blocks or ps.blocks or pb not in (R, S(k)) or ps not in (R, S(k_src)):
+            return self._fallback(node)
+        if pb == R:
+            node.replace_input_with(base, self.to_shard(base, k, node))
+        if ps == R:
+            node.replace_input_with(src, self.to_shard(src, k_src, node))
+        self.set(node, S(k))
+
+    def _input_write(self, node: fx.Node) -> None:
+        """The ``copy_`` into a mutated graph input that ``functionalize`` appends: the full value."""
+        target, value = node.args
+        node.args = (target, self.to_replicate(value, node, "input write"))
+        self.env[node] = R
+
     def _reduction(self, node: fx.Node) -> None:
         x = node.args[0]
         pl = self.placement(x)
@@ -459,9 +493,12 @@ class OpRules:
             if dim is None
             else {d % nd for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
         )
+        keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+        if dims is not None and pl.dim not in dims and not pl.blocks:
+            # Over other dims only (batch, sequence): each rank reduces its own columns.
+            return self.set(node, S(pl.dim - (0 if keepdim else sum(d < pl.dim for d in dims))))
         if dims != {pl.dim}:
             return self._fallback(node)
-        keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
         if keepdim and pl.dim == nd - 1 and self._written_rms_norm(node, x):
             return
         full = shape_of(x)[pl.dim]

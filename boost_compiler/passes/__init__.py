@@ -11,16 +11,20 @@ from .base import BoostPass, PassContext
 from .btp import BottleneckTP
 from .checkpoint import Checkpoint
 from .detect_bottlenecks import DetectBottlenecks
+from .functionalize import Functionalize
 from .group_linears import GroupLinears
 from .online_norm import OnlineNorm
 
 PIPELINE: tuple[type[BoostPass], ...] = (
+    Functionalize,
     DetectBottlenecks,
     BottleneckTP,
     GroupLinears,
     OnlineNorm,
     Checkpoint,
 )
+# Run before any analysis: what detection and the sharding rules may assume of a graph.
+FRONT: tuple[type[BoostPass], ...] = (Functionalize,)
 # What parallelize() runs on its captured graphs to build the plan (detection aside).
 TP_PASSES: tuple[type[BoostPass], ...] = (BottleneckTP, GroupLinears, OnlineNorm)
 
@@ -31,6 +35,8 @@ __all__ = [
     "BottleneckTP",
     "Checkpoint",
     "DetectBottlenecks",
+    "FRONT",
+    "Functionalize",
     "GroupLinears",
     "OnlineNorm",
     "PassContext",
