@@ -86,7 +86,7 @@ def boost_backend(
     ctx = PassContext(param_names=params)
     shards = {i: x for i, x in enumerate(example_inputs) if hasattr(x, "_boost_local")}
     if shards:
-        required = ("functionalize", "detect_bottlenecks", "btp")
+        required = ("inline_regions", "functionalize", "detect_bottlenecks", "btp")
         if not all(opts.enabled(name) for name in required):
             raise OptionTypeError(
                 "this model was prepared by boost_compiler.parallelize: the passes "

@@ -242,13 +242,55 @@ def _shard_in_place(
             mod._parameters[name] = local
 
     model.forward = _ShadowForward(shadow, options)  # type: ignore[method-assign]
-    train = model.train
+    train, apply = model.train, model._apply
 
     def train_both(mode: bool = True) -> nn.Module:
         shadow.train(mode)
         return train(mode)
 
+    def apply_both(fn: Any, recurse: bool = True) -> nn.Module:
+        out = apply(fn, recurse)
+        _follow(shadow, model)
+        return out
+
     model.train = train_both  # type: ignore[method-assign]
+    # to(), to_empty(), half(), cuda() all go through _apply: the shadow follows.
+    model._apply = apply_both  # type: ignore[method-assign]
+
+
+def _follow(shadow: nn.Module, model: nn.Module) -> None:
+    """Give the shadow the model's buffers, and placeholders on the shards' device and dtype.
+
+    How a model parallelized on the meta device becomes a real one: after
+    ``model.to_empty(device=...)`` the shards are real, so the placeholders the
+    shadow traces with move to their device (a graph would otherwise mix meta
+    and real tensors), and buffers (replaced by ``_apply``) are shared again.
+    """
+    originals = dict(model.named_modules(remove_duplicate=False))
+    moved: dict[int, nn.Parameter] = {}  # tied parameters stay one placeholder
+    for name, smod in shadow.named_modules(remove_duplicate=False):
+        mod = originals.get(name)
+        if mod is None:
+            continue
+        smod._buffers.update(mod._buffers)
+        for pname, ph in list(smod._parameters.items()):
+            if ph is None or not hasattr(ph, "_boost_local"):
+                continue
+            local = current_local(ph)
+            if (ph.device, ph.dtype) == (local.device, local.dtype):
+                continue
+            if id(ph) not in moved:
+                new = nn.Parameter(
+                    torch.full((), float("nan"), dtype=local.dtype, device=local.device).expand(
+                        ph.shape
+                    ),
+                    ph.requires_grad,
+                )
+                new.__dict__.update(
+                    {k: v for k, v in ph.__dict__.items() if k.startswith("_boost")}
+                )
+                moved[id(ph)] = new
+            smod._parameters[pname] = moved[id(ph)]
 
 
 class _ShadowForward:

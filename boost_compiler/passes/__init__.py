@@ -13,9 +13,11 @@ from .checkpoint import Checkpoint
 from .detect_bottlenecks import DetectBottlenecks
 from .functionalize import Functionalize
 from .group_linears import GroupLinears
+from .inline_regions import InlineRegions
 from .online_norm import OnlineNorm
 
 PIPELINE: tuple[type[BoostPass], ...] = (
+    InlineRegions,
     Functionalize,
     DetectBottlenecks,
     BottleneckTP,
@@ -24,7 +26,7 @@ PIPELINE: tuple[type[BoostPass], ...] = (
     Checkpoint,
 )
 # Run before any analysis: what detection and the sharding rules may assume of a graph.
-FRONT: tuple[type[BoostPass], ...] = (Functionalize,)
+FRONT: tuple[type[BoostPass], ...] = (InlineRegions, Functionalize)
 # What parallelize() runs on its captured graphs to build the plan (detection aside).
 TP_PASSES: tuple[type[BoostPass], ...] = (BottleneckTP, GroupLinears, OnlineNorm)
 
@@ -38,6 +40,7 @@ __all__ = [
     "FRONT",
     "Functionalize",
     "GroupLinears",
+    "InlineRegions",
     "OnlineNorm",
     "PassContext",
 ]

@@ -1,0 +1,91 @@
+"""Pass ``inline_regions``: the user's checkpoint regions inlined, their recompute kept as tags.
+
+Invariant: afterwards the graph holds no ``tag_activation_checkpoint``
+higher-order op (what dynamo makes of ``torch.utils.checkpoint``, and so of
+Hugging Face's ``gradient_checkpointing_enable()``); the region's ops sit in
+the graph itself, each tagged ``node.meta["recompute"] = PREFER_RECOMPUTE``
+with one ``ac_graph_id`` per region. That is the annotation torch's own
+lowering of the op produces, and AOTAutograd's partitioner honours it the
+same way (TORCH_NOTES), so the checkpointing is kept under Inductor while
+detection and the sharding rules see the region's ops like any others
+(a bottleneck inside a region is found and parallelized). Collectives that
+later passes insert inside a region are tagged ``MUST_SAVE`` by the ``btp``
+pass, so the recompute stays shard-local. Values are unchanged; a graph run
+without Inductor (``lowering="eager"``) computes the same numbers without
+recomputing anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .base import BoostPass
+
+_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+# Region ids well above the ones the ``checkpoint`` pass numbers its regions with.
+_FIRST_ID = 1 << 20
+
+
+class InlineRegions(BoostPass):
+    name = "inline_regions"
+
+    def run(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        assert gm is not None, "inline_regions needs a graph owned by a GraphModule"
+        ids = itertools.count(_FIRST_ID)
+        while hops := [n for n in graph.nodes if n.target is _CHECKPOINT]:
+            for hop in hops:  # a region inside a region surfaces on the next round
+                _inline(gm, hop, next(ids))
+        # Only the bodies' get_attr nodes go: a general dead-code sweep would also
+        # drop the in-place ops (no users) that ``functionalize`` still has to see.
+        for node in list(graph.nodes):
+            if node.op == "get_attr" and not node.users:
+                graph.erase_node(node)
+        gm.delete_all_unused_submodules()
+
+
+def _inline(gm: fx.GraphModule, hop: fx.Node, region: int) -> None:
+    graph = gm.graph
+    body: fx.GraphModule = getattr(gm, hop.args[0].target)
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, Any] = dict(zip(placeholders, hop.args[1:], strict=True))
+    outputs: Any = None
+    with graph.inserting_before(hop):
+        for node in body.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                outputs = fx.node.map_arg(node.args[0], env.__getitem__)
+                break
+            if node.op == "get_attr":  # a nested region's body: move it to the outer module
+                name = _free_name(gm, f"{hop.args[0].target}_{node.target}")
+                gm.register_module(name, getattr(body, node.target))
+                env[node] = graph.get_attr(name)
+                env[node].meta = dict(node.meta)
+                continue
+            new = graph.node_copy(node, env.__getitem__)
+            new.meta = dict(node.meta)
+            new.meta.setdefault("recompute", CheckpointPolicy.PREFER_RECOMPUTE)
+            new.meta.setdefault("ac_graph_id", region)
+            env[node] = new
+    for user in list(hop.users):
+        if user.target is operator.getitem:
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+    if hop.users:  # used as a whole (a single output)
+        hop.replace_all_uses_with(outputs)
+    graph.erase_node(hop)
+
+
+def _free_name(gm: fx.GraphModule, base: str) -> str:
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name

@@ -1,0 +1,143 @@
+"""Checkpoint regions and misuse at tp=2 (issue 13, parts 2 and 3).
+
+HF Llama with ``gradient_checkpointing_enable()`` against the same model on one
+device; the collectives that run (profiler ``gloo:*`` events) with and without
+checkpointing; ``parallelize`` twice; a model built on the meta device,
+materialised and loaded from a full state dict.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.mutation_checks import _gather, _rel
+
+
+def _gloo_events(fn: Any) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("gloo:"))
+
+
+def _compare(model: nn.Module, ref: nn.Module, ids: torch.Tensor, world: int, steps: int = 2):
+    """SGD steps of a parallelized HF model against its single-device copy, every value."""
+    plan = model.boost_plan
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    errs = {"logits": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(steps):
+        labels = ids.roll(step + 1, dims=1)  # cross-entropy against fixed targets
+        out = model(ids, labels=labels, use_cache=False)
+        out_ref = ref(ids, labels=labels, use_cache=False)
+        errs["logits"] = max(errs["logits"], _rel(out.logits.detach(), out_ref.logits.detach()))
+        errs["loss"] = max(errs["loss"], _rel(out.loss.detach(), out_ref.loss.detach()))
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        out.loss.backward()
+        out_ref.loss.backward()
+        for (name, prm), (_, q) in zip(
+            model.named_parameters(), ref.named_parameters(), strict=True
+        ):
+            errs["grad"] = max(
+                errs["grad"], _rel(_gather(prm.grad, plan.params[name], world), q.grad)
+            )
+        opt.step()
+        opt_ref.step()
+    for (name, prm), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        errs["param"] = max(errs["param"], _rel(_gather(prm.detach(), plan.params[name], world), q))
+    return errs
+
+
+def hf_gradient_checkpointing(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Llama (CoLA factors) with HF's gradient checkpointing, and the same model without."""
+    import boost_compiler
+    from tests.models import make_hf
+
+    out: dict[str, Any] = {}
+    for checkpointed in (False, True):
+        model, (ids,) = make_hf(seed=0, family="llama")
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        model.train()
+        ref = copy.deepcopy(model)
+        kwargs = {"labels": ids, "use_cache": False}
+        boost_compiler.parallelize(model, mesh, (ids,), kwargs)
+        key = "checkpointed" if checkpointed else "plain"
+        forward = _gloo_events(lambda m=model, i=ids, kw=kwargs: m(i, **kw))
+        out[key] = {
+            **_compare(model, ref, ids, world),
+            "bottlenecks": len(model.boost_plan.bottlenecks),
+            "fallbacks": list(model.boost_plan.fallbacks),
+            "forward_collectives": forward,
+        }
+    return out
+
+
+def parallelize_twice(*, world: int, mesh: Any) -> dict[str, Any]:
+    import boost_compiler
+    from tests.models import make_cola_llama
+
+    model, inputs = make_cola_llama()
+    boost_compiler.parallelize(model, mesh, inputs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    res: dict[str, Any] = {}
+    for what, target in (("model", model), ("submodule", model.layers[0])):
+        try:
+            boost_compiler.parallelize(target, mesh, inputs if what == "model" else ())
+            res[what] = None
+        except boost_compiler.AlreadyParallelizedError as exc:
+            res[what] = str(exc)
+    res["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    return res
+
+
+def meta_device(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Parallelize on meta, materialise with to_empty, load the full state dict, train."""
+    import boost_compiler
+    from examples.cola_llama import build, example_inputs
+
+    ref = build("tiny", seed=3)
+    full = ref.state_dict()
+    with torch.device("meta"):
+        model = build("tiny", seed=3)
+    (ids,) = example_inputs(ref.cfg)
+    meta_ids = ids.to("meta")
+    boost_compiler.parallelize(model, mesh, (meta_ids,), {"labels": meta_ids})
+    on_meta = {n: p.is_meta for n, p in model.named_parameters()}
+    local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.to_empty(device="cpu")
+    boost_compiler.load_state_dict(model, full)
+    plan = model.boost_plan
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    errs = {"loss": 0.0, "grad": 0.0}
+    for step in range(2):
+        labels = ids.roll(step + 1, dims=1)
+        loss, loss_ref = model(ids, labels=labels), ref(ids, labels=labels)
+        errs["loss"] = max(errs["loss"], _rel(loss.detach(), loss_ref.detach()))
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        loss.backward()
+        loss_ref.backward()
+        for (name, prm), (_, q) in zip(
+            model.named_parameters(), ref.named_parameters(), strict=True
+        ):
+            errs["grad"] = max(
+                errs["grad"], _rel(_gather(prm.grad, plan.params[name], world), q.grad)
+            )
+        opt.step()
+        opt_ref.step()
+    expected = sum(
+        (full[n].numel() // (world if plan.params[n].is_shard else 1)) * full[n].element_size()
+        for n in plan.params
+    )
+    dist.barrier()
+    return {**errs, "all_meta": all(on_meta.values()), "local_bytes": local_bytes,
+            "expected_bytes": expected}  # fmt: skip

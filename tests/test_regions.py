@@ -1,0 +1,46 @@
+"""Checkpoint regions, a second parallelize, and meta-device models at tp=2 (issue 13)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tp_harness import RTOL, run_world
+
+CHECKS = [
+    ("twice", "tests.region_checks:parallelize_twice", ()),
+    ("meta", "tests.region_checks:meta_device", ()),
+    ("hf_checkpointing", "tests.region_checks:hf_gradient_checkpointing", ()),
+]
+
+
+@pytest.fixture(scope="module")
+def two() -> dict:
+    return run_world(2, CHECKS)
+
+
+def test_hf_gradient_checkpointing_is_parallelized_exactly(two: dict) -> None:
+    res = two["hf_checkpointing"]
+    assert "error" not in res, res.get("error")
+    plain, ck = res["plain"], res["checkpointed"]
+    for r in (plain, ck):
+        for what in ("logits", "loss", "grad", "param"):
+            assert r[what] <= RTOL, (what, res)
+        assert r["fallbacks"] == [], res
+    assert ck["bottlenecks"] == plain["bottlenecks"] == 14, res  # 7 per layer, 2 layers
+    assert ck["forward_collectives"] == plain["forward_collectives"] > 0, res
+
+
+def test_parallelize_twice_raises_and_changes_nothing(two: dict) -> None:
+    res = two["twice"]
+    assert "error" not in res, res.get("error")
+    assert res["model"] and "already parallelized" in res["model"], res
+    assert res["submodule"] and "already a tensor-parallel shard" in res["submodule"], res
+    assert res["unchanged"], res
+
+
+def test_meta_device_model_materialised_from_a_full_state_dict_trains_exactly(two: dict) -> None:
+    res = two["meta"]
+    assert "error" not in res, res.get("error")
+    assert res["all_meta"], res  # parallelize allocated nothing
+    assert res["local_bytes"] == res["expected_bytes"], res  # 1/p of the sharded weights
+    assert res["loss"] <= RTOL and res["grad"] <= RTOL, res
