@@ -83,31 +83,6 @@ def synchronise_rng(group: TPGroup) -> None:
         torch.cuda.set_rng_state(states[1])
 
 
-def refuse_eager_fallback() -> None:
-    """Make dynamo raise, not fall back to Python, for frames it gives up on.
-
-    A parallelized model's code runs on the shadow, whose parameters are NaN
-    placeholders with the global shapes (see :mod:`boost_compiler.parallel`).
-    When a frame of that code hits ``recompile_limit`` (Hugging Face forwards
-    share wrapper code objects between models, and every new shape, backend or
-    model instance adds a cache entry to them), dynamo's default is to run it
-    uncompiled: on the placeholders, which gives NaN or silently missing
-    gradients. ``fail_on_recompile_limit_hit`` turns that into dynamo's own
-    error, which names the frame and the limit to raise.
-
-    Process-wide, and set here rather than in the backend: the user's
-    ``torch.compile`` may enter such a frame before any graph reaches the
-    backend (a graph break at the top of the model).
-    """
-    if not torch._dynamo.config.fail_on_recompile_limit_hit:
-        log.info(
-            "parallelize: set torch._dynamo.config.fail_on_recompile_limit_hit=True: a frame "
-            "of a parallelized model must not fall back to eager Python (it would run on "
-            "the NaN placeholders)"
-        )
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
-
-
 def current_local(placeholder: nn.Parameter) -> torch.Tensor:
     """The tensor the owning module holds for this parameter now.
 
@@ -177,7 +152,6 @@ def parallelize(
     # Every check above ran on the captured copy: nothing was modified before here.
     _shard_in_place(model, plan, group, dict(options or {}))
     synchronise_rng(group)
-    refuse_eager_fallback()
     log.info(
         "parallelized %s over tp=%d: %d bottleneck(s), %d sharded parameter(s)",
         type(model).__name__,
@@ -294,7 +268,23 @@ def _follow(shadow: nn.Module, model: nn.Module) -> None:
 
 
 class _ShadowForward:
-    """The parallelized model's forward: the shadow, through the boost backend."""
+    """The parallelized model's forward: the shadow, through the boost backend.
+
+    A frame of the shadow that dynamo gives up on (``recompile_limit``: HF
+    forwards share wrapper code objects between models, and every new shape,
+    backend or instance adds a cache entry) would by dynamo's default run as
+    plain Python, on the NaN placeholders: NaN or silently missing gradients.
+    ``fail_on_recompile_limit_hit`` turns that into dynamo's own error naming the
+    frame, and it is set only while this forward runs, so models that were
+    never parallelized keep dynamo's default. That needs a frame of ours that
+    runs as Python even under the user's ``torch.compile(model)``:
+    ``__call__`` is skipped by dynamo's frame evaluation (``skip_code``: its own
+    frame only), and :meth:`_enter`, called with the flag set, is the frame
+    dynamo compiles. When the user's compiled code calls the model (a compiled
+    train step), dynamo inlines ``__call__`` and the shadow is traced into that
+    graph; frames past a graph break inside the model then follow the
+    process's own setting (see README, "Recompile limit").
+    """
 
     def __init__(self, shadow: nn.Module, options: dict[str, Any]) -> None:
         from .backend import boost_backend
@@ -304,14 +294,20 @@ class _ShadowForward:
         self.eager = torch.compile(shadow, backend=backend, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            # Inside the user's torch.compile(model, backend="boost"): trace the shadow
-            # inline; the outer backend sees the placeholders and applies the rewrite.
+        if torch.compiler.is_compiling():  # inlined into the user's traced code
             return self.shadow(*args, **kwargs)
-        # Each new input shape recompiles (static shapes keep the rewrite simple).
-        # Dynamo's default is to fall back to running the Python code after 8
-        # recompiles: here that would run the NaN placeholders, so raise instead.
-        with torch._dynamo.config.patch(
-            recompile_limit=256, accumulated_recompile_limit=4096, fail_on_recompile_limit_hit=True
-        ):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return self._enter(*args, **kwargs)
+
+    def _enter(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # The top frame of the user's torch.compile(model, backend="boost"): trace
+            # the shadow; the outer backend sees the placeholders and applies the rewrite.
+            return self.shadow(*args, **kwargs)
+        # Called eagerly: our own compile. Each new input shape recompiles (static
+        # shapes keep the rewrite simple), hence the higher limits.
+        with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
             return self.eager(*args, **kwargs)
+
+
+torch._dynamo.eval_frame.skip_code(_ShadowForward.__call__.__code__)
