@@ -466,7 +466,8 @@ def _viewed_input(node: fx.Node) -> fx.Node | None:
     if key is None:
         return None
     for a in node.all_input_nodes:
-        if _storage_key(a) == key:
+        other = _storage_key(a)  # (StorageWeakRef.__eq__ does not take None)
+        if other is not None and other == key:
             return a
     return None
 
