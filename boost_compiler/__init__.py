@@ -50,7 +50,7 @@ from .parallel import parallelize
 from .placement import Placement
 from .plan import TPPlan
 from .report import bottleneck_table
-from .state_dict import StateDictError, gather_state_dict, load_state_dict
+from .state_dict import StateDictError, gather_state_dict, load_state_dict, reset_parameters
 
 __version__ = "0.1.0"
 
@@ -86,5 +86,6 @@ __all__ = [
     "gather_state_dict",
     "load_state_dict",
     "parallelize",
+    "reset_parameters",
     "to_low_rank",
 ]

@@ -36,7 +36,7 @@ from .errors import MutationError, ShardingError
 from .graph_ops import shape_of, value_of
 from .passes.functionalize import is_mutation
 from .placement import P, Placement, R, S, unblock
-from .sharding_rules import _SPLITS, OpRules, _describe, _requires_grad
+from .sharding_rules import _BLOCK_READERS, OpRules, _describe, _requires_grad
 
 log = get_logger(__name__)
 
@@ -233,7 +233,7 @@ class ShardingPropagator(OpRules):
     # -- rules -------------------------------------------------------------
 
     def _call(self, node: fx.Node) -> None:
-        if node.target not in _SPLITS and any(
+        if node.target not in _BLOCK_READERS and any(
             (pl := self.peek(a)) is not None and pl.blocks and a.name not in self.param_names
             for a in node.all_input_nodes
         ):

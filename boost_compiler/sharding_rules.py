@@ -211,7 +211,9 @@ class OpRules:
         nd = len(shape_of(node))
         found = {_split_sizes(u, nd - 1) for u in node.users}
         if len(found) != 1 or None in found:
-            return ()
+            found = {_sliced_blocks(node, nd - 1)}  # q = qkv[..., :a]; k = qkv[..., a:b]; ...
+            if None in found:
+                return ()
         [sizes] = found
         if len(sizes) < 2 or any(size % self.p for size in sizes):
             return ()
@@ -421,10 +423,27 @@ class OpRules:
         if not pl.is_shard:
             return self._call_replicated(node, pl)
         idx = idx if isinstance(idx, tuple) else (idx,)
+        if pl.blocks:
+            return self._getitem_block(node, src, idx, pl)
         k = _dim_after_index(idx, pl.dim, len(shape_of(src)))
         if k is None:
             return self._fallback(node)
         self.set(node, S(k))
+
+    def _getitem_block(self, node: fx.Node, src: fx.Node, idx: tuple, pl: Placement) -> None:
+        """A slice that is exactly one block of a blocked shard: that block's local columns."""
+        nd = len(shape_of(src))
+        span = _last_dim_slice(idx, shape_of(src))
+        starts = [sum(pl.blocks[:i]) for i in range(len(pl.blocks))]
+        if (
+            pl.dim != nd - 1
+            or span is None
+            or span not in {(a, a + size) for a, size in zip(starts, pl.blocks, strict=True)}
+        ):
+            return self._fallback(node)
+        start, stop = span[0] // self.p, span[1] // self.p
+        node.args = (src, (*idx[:-1], slice(start, stop)))
+        self.set(node, S(pl.dim))
 
     def _cat(self, node: fx.Node) -> None:
         """Concatenation along a dim other than the shard dim stays sharded.
@@ -627,6 +646,8 @@ def _added_constant(add: fx.Node, to: fx.Node) -> float | None:
 
 
 _SPLITS = ("chunk", "split", torch.split, torch.chunk)
+# Ops that may read a blocked shard (each reads whole blocks); any other op gathers it.
+_BLOCK_READERS = (*_SPLITS, operator.getitem)
 _ACT_MATMUL = (torch.matmul, operator.matmul, torch.bmm)
 _SOFTMAX = ("softmax", torch.softmax, F.softmax)
 
@@ -644,6 +665,43 @@ def _split_sizes(node: fx.Node, dim: int) -> tuple[int, ...] | None:
         return None
     sizes = tuple(t.shape[dim] for t in pieces)
     return sizes if all(isinstance(size, int) for size in sizes) else None
+
+
+def _last_dim_slice(idx: tuple[Any, ...], shape: tuple[Any, ...]) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``x[idx]`` only slices the last dim, with static bounds."""
+    nd, full = len(shape), shape[-1]
+    if Ellipsis in idx:
+        at = idx.index(Ellipsis)
+        idx = (*idx[:at], *[slice(None)] * (nd - len(idx) + 1), *idx[at + 1 :])
+    if len(idx) != nd or any(i != slice(None) for i in idx[:-1]):
+        return None
+    last = idx[-1]
+    if not isinstance(last, slice) or last.step not in (None, 1):
+        return None
+    start, stop = last.start or 0, full if last.stop is None else last.stop
+    if not all(isinstance(v, int) for v in (start, stop, full)) or start < 0 or stop < 0:
+        return None
+    return start, min(stop, full)
+
+
+def _sliced_blocks(node: fx.Node, dim: int) -> tuple[int, ...] | None:
+    """Block sizes when every user slices ``node``'s last dim and the slices tile it."""
+    full = shape_of(node)[dim]
+    spans = set()
+    for user in node.users:
+        if user.target is not operator.getitem or user.args[0] is not node:
+            return None
+        idx = user.args[1] if isinstance(user.args[1], tuple) else (user.args[1],)
+        span = _last_dim_slice(idx, shape_of(node))
+        if span is None:
+            return None
+        spans.add(span)
+    ordered = sorted(spans)
+    if not ordered or ordered[0][0] != 0 or ordered[-1][1] != full:
+        return None
+    if any(a[1] != b[0] for a, b in zip(ordered, ordered[1:], strict=False)):
+        return None
+    return tuple(b - a for a, b in ordered)
 
 
 def _dim_after_index(idx: tuple[Any, ...], dim: int, nd: int) -> int | None:

@@ -34,7 +34,7 @@ from .placement import Placement, R
 
 log = logging.getLogger("boost_compiler.state_dict")
 
-__all__ = ["StateDictError", "gather_state_dict", "load_state_dict"]
+__all__ = ["StateDictError", "gather_state_dict", "load_state_dict", "reset_parameters"]
 
 
 class StateDictError(BoostError, ValueError):
@@ -187,3 +187,46 @@ def load_state_dict(
     # nn.Module.load_state_dict copies in place under no_grad: parameter identity, which
     # the optimizer and the shadow forward rely on, is kept.
     return parallel_model.load_state_dict(local_sd, strict=strict)
+
+
+def reset_parameters(parallel_model: nn.Module) -> int:
+    """Initialise a parallelized model exactly as its single-device version would be.
+
+    Each module's own ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``,
+    norms...) runs, in ``model.modules()`` order, on full-shape tensors, and every
+    rank keeps its block: so the fan-in an init reads is the global one (on a
+    shard it would be ``d/p`` and the weights ``sqrt(p)`` times too large), and
+    with the same seed on every rank (``parallelize`` synchronises the ranks'
+    generators) the values equal a single-device ``reset_parameters`` in the same
+    order. One module's full parameters exist at a time. The way to initialise a
+    model parallelized on the meta device::
+
+        model.to_empty(device="cpu")          # each rank: its shards, uninitialised
+        torch.manual_seed(0)                  # the same seed on every rank
+        boost_compiler.reset_parameters(model)
+
+    Returns how many modules were reset. A module without ``reset_parameters``
+    keeps what it has; load a full state dict for those (:func:`load_state_dict`).
+    """
+    plan, layout = _layout(parallel_model)
+    _, size, rank = _group_of(plan)
+    by_tensor = {id(t): (placement, shape) for t, placement, shape in layout.values()}
+    count = 0
+    for mod in parallel_model.modules():
+        if not callable(getattr(mod, "reset_parameters", None)):
+            continue
+        own = {n: p for n, p in mod._parameters.items() if p is not None and id(p) in by_tensor}
+        full = {
+            n: nn.Parameter(torch.empty(by_tensor[id(p)][1], dtype=p.dtype, device=p.device))
+            for n, p in own.items()
+        }
+        mod._parameters.update(full)
+        try:
+            mod.reset_parameters()
+        finally:
+            mod._parameters.update(own)
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(by_tensor[id(p)][0].shard(full[n].detach(), rank, size))
+        count += 1
+    return count

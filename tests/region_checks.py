@@ -141,3 +141,29 @@ def meta_device(*, world: int, mesh: Any) -> dict[str, Any]:
     dist.barrier()
     return {**errs, "all_meta": all(on_meta.values()), "local_bytes": local_bytes,
             "expected_bytes": expected}  # fmt: skip
+
+
+def meta_reset_parameters(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Meta -> to_empty -> boost_compiler.reset_parameters equals a single-device reset."""
+    import boost_compiler
+    from tests.mutation_checks import ResidualMul, _inputs
+
+    with torch.device("meta"):
+        model = ResidualMul()
+    (x,) = _inputs()
+    boost_compiler.parallelize(model, mesh, (x.to("meta"),))
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)
+    reset = boost_compiler.reset_parameters(model)
+    ref = ResidualMul()
+    torch.manual_seed(5)
+    for mod in ref.modules():
+        if callable(getattr(mod, "reset_parameters", None)):
+            mod.reset_parameters()
+    plan = model.boost_plan
+    init_err = max(
+        _rel(_gather(p.detach(), plan.params[n], world), q)
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True)
+    )
+    out_err = _rel(model(x).detach(), ref(x).detach())
+    return {"reset": reset, "init_err": init_err, "out_err": out_err}

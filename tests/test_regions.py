@@ -9,6 +9,7 @@ from tests.tp_harness import RTOL, run_world
 CHECKS = [
     ("twice", "tests.region_checks:parallelize_twice", ()),
     ("meta", "tests.region_checks:meta_device", ()),
+    ("meta_reset", "tests.region_checks:meta_reset_parameters", ()),
     ("hf_checkpointing", "tests.region_checks:hf_gradient_checkpointing", ()),
 ]
 
@@ -44,3 +45,10 @@ def test_meta_device_model_materialised_from_a_full_state_dict_trains_exactly(tw
     assert res["all_meta"], res  # parallelize allocated nothing
     assert res["local_bytes"] == res["expected_bytes"], res  # 1/p of the sharded weights
     assert res["loss"] <= RTOL and res["grad"] <= RTOL, res
+
+
+def test_meta_device_model_reset_like_one_device(two: dict) -> None:
+    res = two["meta_reset"]
+    assert "error" not in res, res.get("error")
+    assert res["reset"] == 7, res  # 3 blocks x 2 linears + the head
+    assert res["init_err"] == 0.0 and res["out_err"] <= RTOL, res
