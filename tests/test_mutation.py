@@ -38,5 +38,5 @@ def test_a_parameter_written_in_the_forward_is_refused_before_anything_changes(t
     res = two["refuse"]
     assert "error" not in res, res.get("error")
     assert res["error_type"] == "MutationError", res
-    assert "head.weight" in res["message"] and "mutation_checks.py" in res["message"], res
+    assert "blocks.0.up.weight" in res["message"] and "mutation_checks.py:" in res["message"], res
     assert res["unchanged"], res

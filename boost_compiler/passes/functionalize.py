@@ -128,6 +128,7 @@ class _Functionalizer:
     def run(self) -> None:
         if not any(is_mutation(n) for n in self.graph.nodes):
             return  # nothing to do: leave the graph (and its node names) untouched
+        self._read_copies_of_written_inputs()
         for node in list(self.graph.nodes):
             self.cursor = node
             if node.op == "output":
@@ -140,12 +141,31 @@ class _Functionalizer:
         for node in reversed(self.doomed):
             self.graph.erase_node(node)
 
+    def _read_copies_of_written_inputs(self) -> None:
+        """The graph reads a copy of each input it writes into; the input gets the final value.
+
+        Why a copy: autograd may have saved the input for the backward (``silu``
+        saves its input), and the final ``copy_`` into it would then invalidate
+        that saved value ("modified by an inplace operation"). Reading a clone
+        leaves the saved values alone; the caller's tensor still ends with the
+        written value and its autograd history, as the in-place program gives.
+        """
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        self.input_of: dict[fx.Node, fx.Node] = {}
+        for i in written_inputs(self.graph):
+            ph = placeholders[i]
+            with self.graph.inserting_after(placeholders[-1]):
+                copy = self.graph.call_method("clone", (ph,))
+            ph.replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
+            copy.meta["example_value"] = value_of(ph)  # its memory stands for the input's
+            self.input_of[copy] = ph
+
     # -- bookkeeping -------------------------------------------------------
 
     def _track(self, node: fx.Node, view_of: fx.Node | None) -> None:
         key = _storage_key(node)
-        if key is None:
-            return
+        if key is None or (view_of is None and isinstance(value_of(node), (tuple, list))):
+            return  # a tuple that views nothing: each element is tracked as it is taken
         if view_of is not None:
             st = self.storage[view_of]
             self.parent[node] = view_of
@@ -207,6 +227,8 @@ class _Functionalizer:
     # -- nodes -------------------------------------------------------------
 
     def _call(self, node: fx.Node) -> None:
+        if node in self.input_of:  # the copy of a written input: the root of its memory
+            return self._track(node, None)
         if node.target is torch._C._set_grad_enabled:
             self.grad = bool(node.args[0])
         if "out" in node.kwargs:
@@ -217,6 +239,8 @@ class _Functionalizer:
         target = _mutated_arg(node)
         if target is None:
             viewed = _viewed_input(node)  # read before the inputs are renamed
+            if viewed is not None and self.same.get(viewed, viewed) not in self.storage:
+                viewed = None  # an element of a multi-output op (a HOP's results): its own memory
             if viewed is not None:  # what a replay of this view starts from
                 self.written_as[node] = (node.args, node.kwargs)
             node.args = fx.node.map_arg(node.args, self.current)
@@ -234,7 +258,8 @@ class _Functionalizer:
         target = self.same.get(target, target)
         st = self.storage[target]
         root = st.root
-        if root.op == "placeholder" and root.name in self.params and self.refuse_params:
+        written = self.input_of.get(root, root)
+        if written.op == "placeholder" and written.name in self.params and self.refuse_params:
             raise MutationError(
                 f"{_where(node)}: writes into a parameter during the forward; a "
                 "parallelized parameter is a shard on each rank. Change parameters "
@@ -439,12 +464,13 @@ class _Functionalizer:
     def _epilogue(self, output: fx.Node) -> None:
         """Mutated graph inputs get their final value back: one ``copy_`` each."""
         roots = {
-            id(st): st for st in self.storage.values() if st.version and st.root.op == "placeholder"
+            id(st): st for st in self.storage.values() if st.version and st.root in self.input_of
         }
         for st in roots.values():
+            target = self.input_of[st.root]
             with self.graph.inserting_before(output):
-                copy = self.graph.call_method("copy_", (st.root, st.base))
-            copy.meta["example_value"] = value_of(st.root)
+                copy = self.graph.call_method("copy_", (target, st.base))
+            copy.meta["example_value"] = value_of(target)
             copy.meta["boost_input_write"] = True
 
 
