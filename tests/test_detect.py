@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
-
 import torch
 from torch import nn
 
@@ -150,27 +145,12 @@ def test_casts_dropout_and_matmul_with_bias() -> None:
     assert b.ops == ("add", "float", "gelu", "dropout")
 
 
-def test_40b_on_meta_device_time_and_memory() -> None:
-    """The dense 40B shape (d=8192, 48 layers), meta device, in a fresh process."""
-    code = textwrap.dedent(
-        """
-        import json, resource, time, torch
-        from examples.cola_llama import build
-        from boost_compiler import detect
-        t0 = time.perf_counter()
-        model = build("40b", device="meta")
-        x = torch.zeros(1, 128, dtype=torch.long, device="meta")
-        found = detect(model, (x,))
-        dt = time.perf_counter() - t0
-        rss_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-        print(json.dumps({"n": len(found), "seconds": dt, "rss_gb": rss_gb,
-                          "ranks": sorted({b.rank for b in found})}))
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+def test_40b_on_meta_device() -> None:
+    """The dense 40B shape (d=8192, 48 layers), meta device, in a fresh process: every
+    bottleneck found at rank 2048. Its time and memory bounds are a benchmark
+    (``python benchmarks/detect_40b.py``), not a test."""
+    from benchmarks.detect_40b import detect_40b
+
+    result = detect_40b()
     print("40B meta detection:", result)
     assert result["n"] == 7 * 48 and result["ranks"] == [2048]
-    # Targets are 60 s and 4 GB on this machine; the bound here is generous for CI noise.
-    assert result["seconds"] < 120 and result["rss_gb"] < 4

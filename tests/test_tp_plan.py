@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +11,7 @@ import torch.distributed as dist
 import boost_compiler
 from boost_compiler.collectives import fake_process_group
 from examples.cola_llama import build, example_inputs
+from tests.tp_harness import ops_run
 
 
 def _plan(world: int, options: dict | None = None, **overrides):
@@ -19,34 +22,55 @@ def _plan(world: int, options: dict | None = None, **overrides):
         return model, model.boost_plan
 
 
+def _run_collectives(
+    world: int, options: dict | None = None
+) -> tuple[object, list[tuple[str, tuple[int, ...]]], list[tuple[str, tuple[int, ...]]]]:
+    """The functional collectives a parallelized model's forward and backward execute.
+
+    Counted on what runs (profiler events of the eager path, the boost backend's own
+    pipeline on the shadow graph), after one warm-up step that compiles.
+    """
+    with fake_process_group(world):
+        model = build("tiny")
+        ids = example_inputs(model.cfg, seq=16)
+        boost_compiler.parallelize(model, dist.group.WORLD, ids, options=options)
+        model(*ids).sum().backward()  # compiles
+        loss, fwd = ops_run(lambda: model(*ids).sum())
+        _, bwd = ops_run(loss.backward)
+    shapes = [[(k, tuple(s)) for k, s, _ in ev] for ev in (fwd, bwd)]
+    return model.cfg, *shapes
+
+
 def test_collectives_sit_on_the_rank_dim() -> None:
-    """Default passes: per layer 4 forward all-reduces (3r+stats, r, 2r+stats, r), 4 backward."""
-    model, plan = _plan(2)
-    cfg = model.cfg
+    """Default passes: per layer 4 forward all-reduces (3r+stats, r, 2r+stats, r), 4 backward,
+    as the forward and backward execute them."""
+    cfg, fwd, bwd = _run_collectives(2)
     b, s, r, d, layers = 2, 16, cfg.rank, cfg.d_model, cfg.n_layers
-    fwd = [c for c in plan.collectives if c.forward and c.kind == "all_reduce"]
-    bwd = [c for c in plan.collectives if c.backward and c.kind == "all_reduce"]
-    assert sorted(c.global_shape for c in fwd) == sorted(
+    assert sorted(p for k, p in fwd if k == "all_reduce") == sorted(
         [(b, s, 3 * r + 1), (b, s, r), (b, s, 2 * r + 1), (b, s, r)] * layers + [(b, s, 1)]
     )  # the last: the final norm, which feeds the LM head's gather, not a down factor
-    assert sorted(c.global_shape for c in bwd) == sorted(
+    assert sorted(p for k, p in bwd if k == "all_reduce") == sorted(
         [(b, s, 3 * r), (b, s, r), (b, s, 2 * r), (b, s, r)] * layers + [(b, s, 1)]
     )
-    assert not [c for c in fwd + bwd if c.global_shape[-1] == d]  # no hidden-size all-reduce
-    gathers = [c for c in plan.collectives if c.kind == "all_gather" and c.forward]
-    assert len(gathers) == 1 and gathers[0].global_shape == (b, s, d)  # before the LM head
-    assert plan.fallbacks == []
+    assert not [c for c in fwd + bwd if c[1][-1] == d]  # no hidden-size all-reduce
+    gathers = [c for c in fwd if c[0].startswith("all_gather")]
+    assert len(gathers) == 1 and math.prod(gathers[0][1]) == b * s * d // 2  # the LM head's
+    assert not [c for c in bwd if c[0].startswith("all_gather")]
+    assert {k for k, _ in fwd + bwd} <= {"all_reduce", "all_gather_into_tensor"}
 
 
 def test_btp_alone_has_one_collective_per_factor() -> None:
-    """With grouping and online norm off, the plain BTP structure (what they improve on)."""
+    """With grouping and online norm off, the plain BTP structure (what they improve on),
+    counted on what runs."""
     off = {"group_linears": False, "online_norm": False}
-    model, plan = _plan(2, options=off)
-    cfg = model.cfg
+    cfg, fwd, bwd = _run_collectives(2, off)
     b, s, r, layers = 2, 16, cfg.rank, cfg.n_layers
-    fwd = [c.global_shape for c in plan.collectives if c.forward and c.kind == "all_reduce"]
+    fwd = [p for k, p in fwd if k == "all_reduce"]
     assert fwd.count((b, s, r)) == 7 * layers  # one per down factor
     assert fwd.count((b, s, 1)) == 2 * layers + 1  # a statistics all-reduce per norm
+    assert len(fwd) == 9 * layers + 1
+    bwd = [p for k, p in bwd if k == "all_reduce"]
+    assert bwd.count((b, s, r)) == 7 * layers and len(bwd) == 9 * layers + 1
 
 
 def test_placements_follow_the_bottlenecks() -> None:
@@ -128,15 +152,20 @@ def test_inductor_graphs_hold_exactly_the_planned_collectives() -> None:
     b, s, r, d, layers = 2, 16, cfg.rank, cfg.d_model, cfg.n_layers
     per_layer_fwd = [(b, s, 3 * r + 1), (b, s, r), (b, s, 2 * r + 1), (b, s, r)]
     per_layer_bwd = [(b, s, 3 * r), (b, s, r), (b, s, 2 * r), (b, s, r)]
-    # + the final norm's statistics (it feeds the LM head's gather, not a down factor)
+    # + the final norm's statistics (it feeds the LM head's gather, not a down factor),
+    # and the vocabulary-parallel loss: a max, then [sum exp, target logit], per shifted
+    # token; backward: the head input's gradient (each rank holds part of the vocabulary).
+    tokens = b * (s - 1)
     assert sorted(p for k, p in fwd if k == "all_reduce") == sorted(
-        per_layer_fwd * layers + [(b, s, 1)]
+        per_layer_fwd * layers + [(b, s, 1), (tokens,), (tokens, 2)]
     )
     assert sorted(p for k, p in bwd if k == "all_reduce") == sorted(
-        per_layer_bwd * layers + [(b, s, 1)]
+        per_layer_bwd * layers + [(b, s, 1), (b, s, d)]
     )
     assert [c for c in fwd if c[0] == "all_gather"] == [("all_gather", (b, s, d // 2))]
     assert not [c for c in bwd if c[0] == "all_gather"]
+    # No tensor on a rank is wider than V/p in the vocabulary: the full logits exist nowhere.
+    assert all(shape[-1] != cfg.vocab_size for _, shape in fwd + bwd)
 
 
 class _BreakingBlock(torch.nn.Module):
@@ -159,23 +188,34 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders()
 
     A graph break splits the model into frames; with ``recompile_limit=1`` the
     frames captured once by ``parallelize``'s analysis are at their limit when the
-    user's compile enters them. Dynamo's default (run the frame uncompiled) gives
-    NaN here, which the second half checks, so the first half fails if the guard
-    in ``parallelize`` goes.
+    user's compile enters them. The parallelized model raises dynamo's own error;
+    the process-wide flag is untouched before, during setup and after (it is set
+    only while the parallelized forward runs), so a plain model past the same
+    limit still runs as dynamo's default says. Calling the shadow's compiled
+    entry without the forward's guard gives NaN, which is what the guard prevents.
     """
     torch._dynamo.reset()
     x = torch.randn(2, 3, 16)
-    with fake_process_group(2):
-        model = _BreakingBlock()
-        boost_compiler.parallelize(model, dist.group.WORLD, (x,))  # a plan across a break
-        assert torch._dynamo.config.fail_on_recompile_limit_hit
-        run = torch.compile(model, backend="boost", options={"lowering": "eager"})
-        try:
-            with torch._dynamo.config.patch(recompile_limit=1):
+    previous = torch._dynamo.config.fail_on_recompile_limit_hit
+    try:
+        with fake_process_group(2):
+            model = _BreakingBlock()
+            boost_compiler.parallelize(model, dist.group.WORLD, (x,))  # a plan across a break
+            assert torch._dynamo.config.fail_on_recompile_limit_hit is previous  # no leak
+            run = torch.compile(model, backend="boost", options={"lowering": "eager"})
+            with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=False):
                 with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
                     run(x)
-                with torch._dynamo.config.patch(fail_on_recompile_limit_hit=False):
-                    assert run(x).isnan()  # what the guard prevents
-        finally:
-            torch._dynamo.config.fail_on_recompile_limit_hit = False
-            torch._dynamo.reset()
+                assert torch._dynamo.config.fail_on_recompile_limit_hit is False
+                plain = torch.compile(
+                    _BreakingBlock(), backend="boost", options={"lowering": "eager"}
+                )
+                for size in (3, 4, 5):  # past the limit: dynamo runs it uncompiled
+                    assert torch.isfinite(plain(torch.randn(2, size, 16)))
+                unguarded = torch.compile(model.forward._enter, backend="boost",
+                                          options={"lowering": "eager"})  # fmt: skip
+                assert unguarded(x).isnan()  # what the guard prevents
+        assert torch._dynamo.config.fail_on_recompile_limit_hit is previous
+    finally:
+        torch._dynamo.config.fail_on_recompile_limit_hit = previous
+        torch._dynamo.reset()

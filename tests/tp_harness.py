@@ -1,8 +1,18 @@
 """Multi-process harness: one gloo group per test module, results back as JSON.
 
-``run_world(world, checks)`` spawns ``world`` CPU processes once; each runs
-every named check (functions of this module taking ``(rank, world, mesh)``)
-and rank 0's results (plus failures from any rank) come back to the test.
+``run_world(world, checks, slow)`` spawns ``world`` CPU processes once; each runs
+every named check (functions of this module taking ``(rank, world, mesh)``, or
+``"package.module:function"``) and every rank returns its own results: the test
+gets rank 0's dict with all ranks' dicts under ``"ranks"`` (failures from any
+rank as ``"error"``), and asserts on each (:func:`ranks`). Checks whose key is in
+``slow`` run only with ``BOOST_FULL_TESTS=1``; :func:`result_of` skips those and
+fails on a key the harness does not know.
+
+What "exact against one device" means here (:func:`compare_training`): every
+step, the forward output element by element, the loss (for logits: cross-entropy
+against fixed random targets, which no sign flip or permutation leaves alone),
+every gathered gradient; after the last optimizer step every gathered parameter;
+and replicated parameters and gradients bit-identical across the ranks.
 """
 
 from __future__ import annotations
@@ -15,12 +25,14 @@ import os
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 RTOL = 1e-5
 # The costly compiled variants run only with BOOST_FULL_TESTS=1 (see README, "Tests").
@@ -29,30 +41,218 @@ SLOW_REASON = "a costly compiled variant; BOOST_FULL_TESTS=1 runs it"
 
 
 def result_of(results: dict[str, Any], key: str) -> dict[str, Any]:
-    """A check's result, or a skip when this tier did not select the check."""
+    """A check's result (rank 0's, all ranks' under ``"ranks"``), error-free.
+
+    A key that ``run_world`` was not given fails (a renamed check must not stop
+    running silently); only a check deselected as slow (``run_world``'s ``slow``)
+    skips.
+    """
     import pytest
 
     if key not in results:
-        pytest.skip(f"{key}: {SLOW_REASON}")
-    return results[key]
+        pytest.fail(f"{key!r} is not a check of this world (known: {sorted(results)})")
+    res = results[key]
+    if "skipped" in res:
+        pytest.skip(res["skipped"])
+    assert "error" not in res, res["error"]
+    return res
 
 
-def _gathered_grad(prm: torch.Tensor, placement: Any, world: int) -> torch.Tensor:
+def ranks(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's result of one check (from :func:`result_of`)."""
+    assert len(res["ranks"]) >= 2, "results of every rank expected"
+    for i, r in enumerate(res["ranks"]):
+        r.setdefault("rank", i)
+    return res["ranks"]
+
+
+def _gathered(t: torch.Tensor, placement: Any, world: int) -> torch.Tensor:
+    """The global tensor of a local shard (every rank takes part; replicated: itself)."""
     if not placement.is_shard:
-        return prm.grad
-    parts = [torch.empty_like(prm.grad) for _ in range(world)]
-    dist.all_gather(parts, prm.grad.contiguous())
+        return t
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous())
     return placement.unshard(parts)
 
 
+def _gathered_grad(prm: torch.Tensor, placement: Any, world: int) -> torch.Tensor:
+    return _gathered(prm.grad, placement, world)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest element-wise difference, relative to the reference's largest magnitude."""
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.detach().double(), b.detach().double()
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def probe_loss(out: torch.Tensor) -> torch.Tensor:
+    """A loss of a model's output that changes under a sign flip or any permutation.
+
+    A scalar (the model's own loss) is used as is. Logits ``[..., n]``: mean
+    cross-entropy against fixed random targets (``mean(out**2)`` would not see a
+    negated or permuted output, nor would its gradients).
+    """
+    if out.dim() == 0:
+        return out
+    out = out.float()
+    g = torch.Generator().manual_seed(1234)
+    targets = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+
+
+def _output(out: Any) -> torch.Tensor:
+    """The tensor to compare element-wise: HF outputs' logits, else the output itself."""
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _grad_errors(model: torch.nn.Module, ref: torch.nn.Module, world: int) -> dict[str, float]:
+    """Per parameter: the gathered gradient against the single-device one."""
+    plan = model.boost_plan
+    return {
+        name: _rel(_gathered_grad(prm, plan.params[name], world), q.grad)
+        for (name, prm), q in zip(model.named_parameters(), ref.parameters(), strict=True)
+    }
+
+
+def _param_errors(model: torch.nn.Module, ref: torch.nn.Module, world: int) -> dict[str, float]:
+    plan = model.boost_plan
+    return {
+        name: _rel(_gathered(prm.detach(), plan.params[name], world), q.detach())
+        for (name, prm), q in zip(model.named_parameters(), ref.parameters(), strict=True)
+    }
+
+
+def _replica_drift(model: torch.nn.Module) -> dict[str, float]:
+    """Replicated parameters and their gradients: largest difference to rank 0's copy."""
+    plan = model.boost_plan
+    drift = {}
+    for name, prm in model.named_parameters():
+        if plan.params[name].is_shard:
+            continue
+        for what, t in (("", prm.detach()), (".grad", prm.grad)):
+            if t is None:
+                continue
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, t.contiguous())
+            drift[name + what] = max((q - parts[0]).abs().max().item() for q in parts)
+    return drift
+
+
+def _worst(errs: dict[str, float]) -> tuple[float, str | None]:
+    if not errs:
+        return 0.0, None
+    name = max(errs, key=lambda n: errs[n])
+    return errs[name], name
+
+
+def wire(fn: Callable[[], Any]) -> tuple[Any, list[tuple[str, list[int], str]]]:
+    """Run ``fn``; the collectives that went over the wire: gloo events (name, shape, dtype)."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+    ) as prof:
+        out = fn()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name().startswith("gloo:")),
+        key=lambda e: e.start_ns(),
+    )
+    return out, [
+        (e.name(), list(e.shapes()[0]) if e.shapes() else [], (e.dtypes() or [""])[0])
+        for e in events
+    ]
+
+
+def ops_run(fn: Callable[[], Any]) -> tuple[Any, list[tuple[str, list[int], str]]]:
+    """Run ``fn``; the functional collectives it executed (any process group, fake too)."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+    ) as prof:
+        out = fn()
+    events = sorted(
+        (
+            e
+            for e in prof.profiler.kineto_results.events()
+            if e.name().startswith("_c10d_functional::") and "wait_tensor" not in e.name()
+        ),
+        key=lambda e: e.start_ns(),
+    )
+    return out, [
+        (e.name().split("::")[1], list(e.shapes()[0]) if e.shapes() else [], e.dtypes()[0])
+        for e in events
+    ]
+
+
+def _training_result(
+    model: torch.nn.Module,
+    ref: torch.nn.Module,
+    step: Callable[[torch.nn.Module], Any],
+    *,
+    world: int,
+    steps: int,
+    lr: float,
+    loss_of: Callable[[Any], torch.Tensor],
+    twin: torch.nn.Module | None = None,
+) -> dict[str, Any]:
+    """SGD steps of the parallelized ``model`` vs ``ref`` (and ``twin``), every comparison.
+
+    The second step's forward and backward also run under the profiler: the
+    collectives on the wire (past any compile of the first step).
+    """
+    models_ = [m for m in (model, ref, twin) if m is not None]
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models_]
+    res: dict[str, Any] = {
+        "losses": [], "ref_losses": [], "out_err": [], "grad_err_steps": [], "noise": 0.0,
+    }  # fmt: skip
+    grad_errs: dict[str, float] = {}
+    for i in range(steps):
+        if i == 1:
+            out, res["wire_fwd"] = wire(lambda: step(model))
+        else:
+            out = step(model)
+        out_ref = step(ref)
+        res["out_err"].append(_rel(_output(out), _output(out_ref)))
+        loss, loss_ref = loss_of(out), loss_of(out_ref)
+        for opt in opts:
+            opt.zero_grad()
+        if i == 1:
+            res["wire_bwd"] = wire(loss.backward)[1]
+        else:
+            loss.backward()
+        loss_ref.backward()
+        if twin is not None:
+            loss_of(step(twin)).backward()
+            for t, q in zip(twin.parameters(), ref.parameters(), strict=True):
+                res["noise"] = max(res["noise"], _rel(t.grad, q.grad))
+        errs = _grad_errors(model, ref, world)
+        res["grad_err_steps"].append(_worst(errs)[0])
+        for n, e in errs.items():
+            grad_errs[n] = max(grad_errs.get(n, 0.0), e)
+        for opt in opts:
+            opt.step()
+        res["losses"].append(loss.item())
+        res["ref_losses"].append(loss_ref.item())
+    param_errs = _param_errors(model, ref, world)
+    res["loss_err"] = max(
+        abs(a - b) / abs(b) for a, b in zip(res["losses"], res["ref_losses"], strict=True)
+    )
+    res["grad_err"], res["grad_worst"] = _worst(grad_errs)
+    res["param_err"], res["param_worst"] = _worst(param_errs)
+    res["grad_errs"], res["param_errs"] = grad_errs, param_errs
+    res["replica_drift"] = _replica_drift(model)
+    res["rank"] = dist.get_rank()
+    return res
 
 
 def compare_training(
     maker: str, compiled: bool, *, world: int, mesh: Any, steps: int = 3, lr: float = 0.1
 ) -> dict[str, Any]:
-    """SGD steps of the parallelized model vs the single-device model, same data."""
+    """SGD steps of the parallelized model vs the single-device model, same data.
+
+    Compared on this rank, every step: the output element-wise, the loss
+    (:func:`probe_loss`), every gathered gradient; after the last step every
+    gathered parameter; replicated parameters and gradients against rank 0's.
+    """
     import boost_compiler
     from tests import models
 
@@ -64,33 +264,12 @@ def compare_training(
     boost_compiler.parallelize(model, mesh, inputs, kw or None)
     plan = model.boost_plan
     run = torch.compile(model, backend="boost") if compiled else model
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
-    losses, ref_losses, grad_err = [], [], 0.0
-    for _ in range(steps):
-        out, out_ref = run(*inputs, **kw), ref(*inputs, **kw)
-        loss = out if out.dim() == 0 else out.float().pow(2).mean()
-        loss_ref = out_ref if out_ref.dim() == 0 else out_ref.float().pow(2).mean()
-        opt.zero_grad()
-        opt_ref.zero_grad()
-        loss.backward()
-        loss_ref.backward()
-        for (name, prm), (_, q) in zip(
-            model.named_parameters(), ref.named_parameters(), strict=True
-        ):
-            grad_err = max(grad_err, _rel(_gathered_grad(prm, plan.params[name], world), q.grad))
-        opt.step()
-        opt_ref.step()
-        losses.append(loss.item())
-        ref_losses.append(loss_ref.item())
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-        "grad_err": grad_err,
-        "fallbacks": plan.fallbacks,
-        "warnings": warned.close(),
-    }
+
+    def step(m: torch.nn.Module) -> Any:
+        return (run if m is model else m)(*inputs, **kw)
+
+    res = _training_result(model, ref, step, world=world, steps=steps, lr=lr, loss_of=probe_loss)
+    return {**res, "fallbacks": plan.fallbacks, "warnings": warned.close()}
 
 
 class _WarningLog(logging.Handler):
@@ -113,8 +292,11 @@ class _WarningLog(logging.Handler):
 def other_shapes_and_kwargs(
     compiled: bool, *, world: int, mesh: Any, lowering: str = "inductor"
 ) -> dict[str, Any]:
-    """Parallelize with one example, then call with other batch/seq sizes, labels, eval.
+    """Parallelize with one example, then train on other batch/seq sizes, labels, eval.
 
+    Each new shape: forward, then backward of :func:`probe_loss`, compared to the
+    single-device model element-wise (output and every gathered gradient); warnings
+    of the ``boost_compiler`` logger (a fallback at any compile) are returned.
     Compiled (``dynamic=True``: one graph with symbolic batch and sequence sizes,
     so the sharding rules run on SymInts), the two new shapes only: each extra
     graph costs a full compile on a 2-core CI machine. ``lowering="eager"`` runs
@@ -123,6 +305,7 @@ def other_shapes_and_kwargs(
     import boost_compiler
     from examples.cola_llama import build, example_inputs
 
+    warned = _WarningLog()
     model = build("tiny", seed=1)
     ref = copy.deepcopy(model)
     cfg = model.cfg
@@ -131,23 +314,30 @@ def other_shapes_and_kwargs(
     run = (
         torch.compile(model, backend="boost", dynamic=True, options=options) if compiled else model
     )
+
+    def compare(ids: torch.Tensor, **kw: Any) -> dict[str, float]:
+        for m in (model, ref):
+            m.zero_grad()
+        out, out_ref = run(ids, **kw), ref(ids, **kw)
+        probe_loss(out).backward()
+        probe_loss(out_ref).backward()
+        return {"out": _rel(out, out_ref), "grad": _worst(_grad_errors(model, ref, world))[0]}
+
     errs = {}
     for name, (b, s) in {"batch3": (3, 16), "seq24": (2, 24), "b1s8": (1, 8)}.items():
         if compiled and b == 1:
             continue  # size 1 is always specialised: a second graph, no new coverage
         (ids,) = example_inputs(cfg, batch=b, seq=s, seed=b * 100 + s)
-        errs[name] = _rel(run(ids), ref(ids))
-    if compiled:
-        return errs
-    (ids,) = example_inputs(cfg, batch=2, seq=16, seed=7)
-    errs["labels"] = (
-        abs(run(ids, labels=ids).item() - ref(ids, labels=ids).item()) / ref(ids, labels=ids).item()
-    )
-    model.eval()
-    ref.eval()
-    with torch.no_grad():
-        errs["eval_no_grad"] = _rel(run(ids), ref(ids))
-    return errs
+        errs[name] = compare(ids)
+    if not compiled:
+        (ids,) = example_inputs(cfg, batch=2, seq=16, seed=7)
+        errs["labels"] = compare(ids, labels=ids)
+        model.eval()
+        ref.eval()
+        with torch.no_grad():
+            errs["eval_no_grad"] = {"out": _rel(run(ids), ref(ids))}
+    plan = model.boost_plan
+    return {"errs": errs, "fallbacks": plan.fallbacks, "warnings": warned.close()}
 
 
 def passes_on_vs_off(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
@@ -173,17 +363,24 @@ def passes_on_vs_off(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]
     ]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, off)]
     loss_err = grad_err = 0.0
-    for _ in range(steps):
+    wires: dict[str, list] = {}
+    for i in range(steps):
         losses = [run(*inputs, **kw) for run in runs]
-        for opt, loss in zip(opts, losses, strict=True):
+        if i == 1:  # what runs, each model: forward (again, compiled), backward
+            for name, run in zip(("on", "off"), runs, strict=True):
+                wires[f"{name}_fwd"] = wire(lambda run=run: run(*inputs, **kw))[1]
+        for name, opt, loss in zip(("on", "off"), opts, losses, strict=True):
             opt.zero_grad()
-            loss.backward()
+            if i == 1:
+                wires[f"{name}_bwd"] = wire(loss.backward)[1]
+            else:
+                loss.backward()
         loss_err = max(loss_err, abs(losses[0].item() - losses[1].item()) / losses[1].item())
         for p, q in zip(model.parameters(), off.parameters(), strict=True):
             grad_err = max(grad_err, _rel(p.grad, q.grad))
         for opt in opts:
             opt.step()
-    return {"loss_err": loss_err, "grad_err": grad_err}
+    return {"loss_err": loss_err, "grad_err": grad_err, "wire": wires, "layers": model.cfg.n_layers}
 
 
 def two_instances(*, world: int, mesh: Any) -> dict[str, Any]:
@@ -207,7 +404,9 @@ def bf16_accuracy(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
     """bf16 activations: TP (fused fp32 statistics payload) vs one device, both vs fp32.
 
     The parallel run's distance to the fp32 reference should be that of the
-    single-device bf16 run: the online norm must not add error of its own.
+    single-device bf16 run, for the losses of every step and for the first
+    step's gathered gradients: the online norm must not add error of its own.
+    ``wire``: the all-reduces the second TP step ran (gloo events: shape, dtype).
     """
     import boost_compiler
     from tests import models
@@ -217,21 +416,34 @@ def bf16_accuracy(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
     model = copy.deepcopy(single)
     kw = {"labels": inputs[0]}
     boost_compiler.parallelize(model, mesh, inputs, kw)
+    plan = model.boost_plan
     losses: dict[str, list[float]] = {"fp32": [], "single_bf16": [], "tp_bf16": []}
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    wired: list = []
     for name, m in (("fp32", ref32), ("single_bf16", single), ("tp_bf16", model)):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        for _ in range(steps):
-            loss = m(*inputs, **kw)
+        for i in range(steps):
+            if m is model and i == 1:
+                loss, fwd = wire(lambda m=m: m(*inputs, **kw))
+                wired += fwd
+            else:
+                loss = m(*inputs, **kw)
             opt.zero_grad()
             loss.backward()
+            if i == 0:
+                grads[name] = {
+                    n: (_gathered_grad(p, plan.params[n], world) if m is model else p.grad).float()
+                    for n, p in m.named_parameters()
+                }
             opt.step()
             losses[name].append(loss.float().item())
 
     def err(name: str) -> float:
         return max(abs(a - b) / b for a, b in zip(losses[name], losses["fp32"], strict=True))
 
-    plan = model.boost_plan
-    fused = [c for c in plan.collectives if c.reason.startswith("online norm")]
+    def grad_err(name: str, against: str = "fp32") -> float:
+        return max(_rel(grads[name][n], grads[against][n]) for n in grads["fp32"])
+
     return {
         "losses": losses,
         "single_bf16_err": err("single_bf16"),
@@ -239,7 +451,12 @@ def bf16_accuracy(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
         "tp_vs_single": max(
             abs(a - b) / b for a, b in zip(losses["tp_bf16"], losses["single_bf16"], strict=True)
         ),
-        "fused_payload_dtype": str(fused[0].dtype) if fused else None,
+        "single_bf16_grad_err": grad_err("single_bf16"),
+        "tp_bf16_grad_err": grad_err("tp_bf16"),
+        "tp_vs_single_grad": grad_err("tp_bf16", "single_bf16"),
+        "wire": wired,
+        "rank_dim": model.cfg.rank,
+        "layers": model.cfg.n_layers,
     }
 
 
@@ -255,7 +472,9 @@ def checkpoint_modes(
 ) -> dict[str, Any]:
     """Saved-activation bytes, backward collectives and numbers for checkpoint off/on/full.
 
-    CoLA-LLaMA at d=256, r=64, b=2, s=128 (the issue's size), compiled. Bytes
+    CoLA-LLaMA at d=256, r=64, b=2, s=128 (the issue's size), compiled; each mode's
+    loss and gathered gradients (per parameter, element-wise) against the
+    single-device model run eagerly, without the boost backend. Bytes
     per layer are the increment from 1 to 2 layers, so the embedding, final norm
     and LM head cancel. Saved tensors are what the compiled forward hands to
     autograd for the backward (``saved_tensors_hooks``), parameters excluded.
@@ -267,6 +486,9 @@ def checkpoint_modes(
     for layers in (1, 2):
         ref = build("tiny", seed=5, d_model=256, rank=64, d_ff=688, n_layers=layers)
         (ids,) = example_inputs(ref.cfg, batch=2, seq=128, seed=6)
+        single = copy.deepcopy(ref)  # the reference: one device, eager, no boost backend
+        single_loss = single(ids, labels=ids)
+        single_loss.backward()
         for mode in (False, True, "full") if full else (False, True):
             model = copy.deepcopy(ref)
             boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
@@ -290,7 +512,11 @@ def checkpoint_modes(
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 loss.backward()
             gloo = sum(e.name.startswith("gloo:") for e in prof.events())
-            grads = [p.grad.clone() for p in model.parameters()]
+            plan = model.boost_plan
+            grad_errs = {
+                n: _rel(_gathered_grad(p, plan.params[n], world), q.grad)
+                for (n, p), q in zip(model.named_parameters(), single.parameters(), strict=True)
+            }
             times = []
             for _ in range(steps_time):  # step time, for the benchmark (median)
                 start = time.perf_counter()
@@ -302,9 +528,9 @@ def checkpoint_modes(
                 "saved": sum(saved.values()),
                 "bwd_collectives": gloo,
                 "loss": loss.item(),
-                "grads": grads,
+                "loss_err": abs(loss.item() - single_loss.item()) / abs(single_loss.item()),
+                "grad_errs": grad_errs,
             }
-    base = out["False/2"]
     res: dict[str, Any] = {}
     for mode in ("False", "True", "full") if full else ("False", "True"):
         res[f"per_layer_{mode}"] = out[f"{mode}/2"]["saved"] - out[f"{mode}/1"]["saved"]
@@ -313,10 +539,9 @@ def checkpoint_modes(
         res[f"step_s_{mode}"] = run_["step_s"]
         res[f"bwd_collectives_{mode}"] = run_["bwd_collectives"]
         res[f"graph_collectives_{mode}"] = run_["graph_collectives"]
-        res[f"loss_err_{mode}"] = abs(run_["loss"] - base["loss"]) / base["loss"]
-        res[f"grad_err_{mode}"] = max(
-            _rel(a, b) for a, b in zip(run_["grads"], base["grads"], strict=True)
-        )
+        # against the single-device eager model: the loss, every gathered gradient
+        res[f"loss_err_{mode}"] = run_["loss_err"]
+        res[f"grad_err_{mode}"], res[f"grad_worst_{mode}"] = _worst(run_["grad_errs"])
     res["ratio"] = res["per_layer_True"] / res["per_layer_False"]
     return res
 
@@ -345,18 +570,22 @@ def dropout_masks(compiled: bool, *, world: int, mesh: Any) -> dict[str, Any]:
 
 
 def param_memory(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Bytes per rank, and which parameters the rank holds whole, read off the tensors."""
     import boost_compiler
     from examples.cola_llama import build, example_inputs
 
     model = build("tiny", seed=2)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     boost_compiler.parallelize(model, mesh, example_inputs(model.cfg))
-    plan = model.boost_plan
-    local = sum(p.numel() * p.element_size() for p in model.parameters())
-    sharded = sum(
-        torch.Size(plan.param_shapes[n]).numel() * 4 for n, pl in plan.params.items() if pl.is_shard
-    )
-    return {"total": total, "local": local, "sharded": sharded, "replicated": total - sharded}
+    local = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return {
+        "total": total,
+        "local": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "global_shapes": shapes,
+        "local_shapes": local,
+        "replicated": sorted(n for n in shapes if local[n] == shapes[n]),
+    }
 
 
 def _worker(rank: int, world: int, store: str, checks: list[tuple], out: str) -> None:
@@ -408,20 +637,32 @@ def _check_fn(name: str) -> Any:
     return globals()[name]
 
 
-def run_world(world: int, checks: list[tuple]) -> dict[str, Any]:
-    """Spawn ``world`` ranks once; return rank 0's results (errors from any rank).
+def run_world(
+    world: int, checks: list[tuple], slow: Iterable[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """Spawn ``world`` ranks once; per check, rank 0's result with every rank's in ``"ranks"``.
 
-    The first failed check stops the world: its error is reported from the rank(s)
-    where it happened, and every later check gets an error saying it did not run.
+    ``checks``: ``(key, function, args[, kwargs])``. Keys in ``slow`` (each must be
+    a key of ``checks``) run only with ``BOOST_FULL_TESTS=1``; otherwise their
+    result is ``{"skipped": reason}``. The first failed check stops the world: its
+    error is reported from the rank(s) where it happened, and every later check
+    gets an error saying it did not run.
     """
+    slow = set(slow)
+    keys = [key for key, *_ in checks]
+    assert len(set(keys)) == len(keys), f"duplicate check keys: {keys}"
+    assert slow <= set(keys), f"slow keys that are no check: {sorted(slow - set(keys))}"
+    skipped = {k: {"skipped": f"{k}: {SLOW_REASON}"} for k in keys if k in slow and not FULL_TESTS}
+    checks = [c for c in checks if c[0] not in skipped]
     tmp = tempfile.mkdtemp(prefix="boost-tp-")
     store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out")
-    try:
-        mp.spawn(_worker, args=(world, store, checks, out), nprocs=world, join=True)
-    except mp.ProcessExitedException as exc:  # a check failed: see the per-rank results
-        logging.getLogger(__name__).warning("run_world: %s", exc)
+    if checks:
+        try:
+            mp.spawn(_worker, args=(world, store, checks, out), nprocs=world, join=True)
+        except mp.ProcessExitedException as exc:  # a check failed: see the per-rank results
+            logging.getLogger(__name__).warning("run_world: %s", exc)
     per_rank = [_read_results(f"{out}.{r}") for r in range(world)]
-    results = dict(per_rank[0])
+    results: dict[str, dict[str, Any]] = dict(skipped)
     failed = None
     for key, *_ in checks:
         errors = [
@@ -433,8 +674,11 @@ def run_world(world: int, checks: list[tuple]) -> dict[str, Any]:
             after = f"(after check {failed!r} failed) " if failed else ""
             results[key] = {"error": after + "\n".join(errors)}
             failed = failed or key
-        elif key not in results or any(key not in res for res in per_rank):
-            results[key] = {"error": f"not run: the ranks stopped after check {failed!r} failed"}
+        elif any(key not in res for res in per_rank):
+            why = f"after check {failed!r} failed" if failed else "(a rank died: see the log)"
+            results[key] = {"error": f"not run: the ranks stopped {why}"}
+        else:
+            results[key] = {**per_rank[0][key], "ranks": [res[key] for res in per_rank]}
     return results
 
 
@@ -452,8 +696,8 @@ def compare_training_hf(
     ``*ForCausalLM`` after conversion, or any model whose output has ``loss``
     and ``logits``). The loss is the model's own (HF's causal-LM loss function),
     so the label shift, flattening and cross-entropy run inside the sharded
-    graph. Besides losses and gathered gradients: the first step's logits, and
-    ``noise``, the gradient error of a single-device twin whose parameters were
+    graph. Compared as :func:`compare_training` does (logits every step), and
+    ``noise``: the gradient error of a single-device twin whose parameters were
     perturbed by 1e-7 relative (what fp32 rounding alone does to this model).
 
     Why ``lr=1e-3`` (``compare_training`` uses 0.1): HF's initialisation (embedding
@@ -490,39 +734,29 @@ def compare_training_hf(
             "labels": inputs[0].masked_fill(mask == 0, -100),
             "use_cache": False,  # training: no keys/values returned, none gathered
         }
+    shapes = {n: p.shape for n, p in model.named_parameters()}
     boost_compiler.parallelize(model, mesh, inputs, kw)
     plan = model.boost_plan
     run = torch.compile(model, backend="boost") if compiled else model
-    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (model, ref, twin)]
-    losses, ref_losses, grad_err, noise, logits_err = [], [], 0.0, 0.0, None
-    for _ in range(steps):
-        out, out_ref, out_twin = run(*inputs, **kw), ref(*inputs, **kw), twin(*inputs, **kw)
-        if logits_err is None:
-            logits_err = _rel(out.logits.detach(), out_ref.logits.detach())
-        for opt in opts:
-            opt.zero_grad()
-        for o in (out, out_ref, out_twin):
-            o.loss.backward()
-        named = zip(model.named_parameters(), ref.parameters(), twin.parameters(), strict=True)
-        for (name, prm), q, t in named:
-            grad_err = max(grad_err, _rel(_gathered_grad(prm, plan.params[name], world), q.grad))
-            noise = max(noise, _rel(t.grad, q.grad))
-        for opt in opts:
-            opt.step()
-        losses.append(out.loss.item())
-        ref_losses.append(out_ref.loss.item())
+
+    def step(m: torch.nn.Module) -> Any:
+        return (run if m is model else m)(*inputs, **kw)
+
+    res = _training_result(
+        model, ref, step, world=world, steps=steps, lr=lr, loss_of=lambda o: o.loss, twin=twin
+    )
+    held_whole = [n for n, p in model.named_parameters() if p.shape == shapes[n]]
     return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "loss_err": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-        "grad_err": grad_err,
-        "noise": noise,
-        "logits_err": logits_err,
+        **res,
+        "logits_err": max(res["out_err"]),
         "fallbacks": plan.fallbacks,
         "warnings": warned.close(),
-        "replicated": [name for name, pl in plan.params.items() if not pl.is_shard],
+        "replicated": held_whole,  # read off the local tensors, not the plan
         "bottlenecks": len(plan.bottlenecks),
-        "collectives": [(c.kind, c.reason, c.forward, c.backward) for c in plan.collectives],
+        "collectives": [
+            (c.kind, c.reason, c.forward, c.backward, list(c.global_shape))
+            for c in plan.collectives
+        ],
         **clock.read(),
     }
 
