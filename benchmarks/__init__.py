@@ -1,9 +1,10 @@
-"""Benchmarks of boost-compiler (a source-checkout package, not installed with the wheel).
+"""Benchmark scripts of the source checkout (``boost bench`` itself ships in the package).
 
-- ``bench.py``: ``boost bench`` / ``python benchmarks/bench.py``: communication, step time and
-  GEMM throughput of BOOST vs torch's DTensor tensor parallelism, JSON + table + PNG charts.
+- ``bench.py``: ``boost bench`` as a script (:mod:`boost_compiler.bench.suite`): communication,
+  step time and GEMM throughput of BOOST vs torch's DTensor tensor parallelism.
+- ``gemm.py``: the GEMM microbench (:mod:`boost_compiler.bench.gemm`), on its own.
 - ``comm_per_layer.py``: per-layer communication (increment between two depths), eager.
-- ``gemm.py``: the GEMM microbench (K = r/p vs K = d/p), also on its own.
 - ``gpu.py`` / ``gpu.sh``: the prepared single-GPU run (fails fast without a GPU).
-- ``_profile.py``: shared helpers (models, DTensor plans, gloo event counting, spawning).
+- ``checkpoint_modes.py``, ``passes_step_time.py``, ``detect_40b.py``, ``fuzz.py``: checkout-only
+  measurements (they use ``tests/``).
 """

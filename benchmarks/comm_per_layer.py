@@ -11,7 +11,7 @@ Strategies
 ----------
 ``boost``
     ``boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})`` on the CoLA-LLaMA of
-    ``examples/cola_llama.py`` (bottleneck-aware TP), then eager ``model(ids, labels=ids)``.
+    ``boost_compiler.models.cola_llama`` (bottleneck-aware TP), then eager ``model(ids, labels=ids)``.
 ``dtensor-lowrank``
     The same low-rank model with torch DTensor TP, the "standard" plan of BOOST's paper
     (Megatron applied to each factor pair, i.e. split along r): every ``.down`` factor is
@@ -32,7 +32,7 @@ against the single-device model's (column "loss err").
 What is counted
 ---------------
 Every profiler event whose name starts with ``gloo:`` during the profiled step on rank 0
-(``torch.profiler``, CPU activity, ``record_shapes=True``; ``benchmarks/_profile.py``, shared
+(``torch.profiler``, CPU activity, ``record_shapes=True``; ``boost_compiler/bench/harness.py``, shared
 with ``bench.py``). Those are the backend's own
 events, one per collective that runs, whatever issued it (c10d, functional collectives,
 DTensor redistribution, compiled graphs). Their ``input_shapes`` / ``input_dtypes`` record
@@ -66,10 +66,10 @@ import torch.distributed as dist
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `examples` and `benchmarks` live in the repository root
+if str(ROOT) not in sys.path:  # the spawned workers import this script as benchmarks.comm_per_layer
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._profile import (  # noqa: E402
+from boost_compiler.bench.harness import (  # noqa: E402
     BACKWARD_MARK,
     STRATEGIES,
     ModelSpec,
@@ -103,7 +103,7 @@ def _measure(strategy: str, n_layers: int, args: argparse.Namespace, mesh: Any, 
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from examples.cola_llama import example_inputs
+    from boost_compiler.models.cola_llama import example_inputs
 
     torch._dynamo.reset()
     model = _make_model(strategy, n_layers, args)

@@ -2,13 +2,13 @@
 
     python benchmarks/gpu.py --out "$OUT"          # or: bash benchmarks/gpu.sh --out "$OUT"
 
-1. Compiled training throughput of the ~1B CoLA-LLaMA preset (``examples/cola_llama.py``
+1. Compiled training throughput of the ~1B CoLA-LLaMA preset (``boost_compiler.models.cola_llama``
    "1b": d=2048, d_ff=5472, r=512, 24 layers, 32 heads, vocab 32000; ~0.6B parameters, named
    after the dense model of its width) on one GPU, bf16 parameters, fused AdamW:
    ``torch.compile(model, backend="boost")`` vs ``backend="inductor"``; tokens/s and MFU
    (model FLOPs per token ``6 N + 12 L d s``, N = parameters without the embedding table, over
    the GPU's dense bf16 peak; PaLM's convention, no causal discount).
-2. The GEMM microbench (``benchmarks/gemm.py``) at the paper's 7B shapes in bf16 (d=4096,
+2. The GEMM microbench (``boost_compiler.bench.gemm``) at the paper's 7B shapes in bf16 (d=4096,
    d_ff=11008, r=1024, TP4, M = b*s = 4096): achieved TFLOP/s and % of peak per strategy.
 
 Without a CUDA GPU it exits at once with status 2 and says so. A ``--budget-s`` guard skips
@@ -63,7 +63,7 @@ def train(
 ) -> dict[str, Any]:
     import torch
 
-    from examples.cola_llama import build, example_inputs
+    from boost_compiler.models.cola_llama import build, example_inputs
 
     torch._dynamo.reset()
     torch.cuda.empty_cache()
@@ -128,14 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--out", default=None, help="folder for gpu.json (default: bench-results/gpu-<time>)"
     )
-    ap.add_argument("--config", default="1b", help="examples/cola_llama.py preset to train")
+    ap.add_argument(
+        "--config",
+        default="1b",
+        help="CoLA-LLaMA preset to train (boost_compiler.models.cola_llama)",
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=10, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backends", default="boost,inductor")
     ap.add_argument("--parts", default="train,gemm", help="train, gemm or both")
-    ap.add_argument("--gemm-config", default="7b", help="benchmarks/gemm.py scale")
+    ap.add_argument("--gemm-config", default="7b", help="boost_compiler.bench.gemm scale")
     ap.add_argument("--gemm-tp", type=int, default=4)
     ap.add_argument("--gemm-batch", type=int, default=1)
     ap.add_argument("--gemm-seq", type=int, default=4096)
@@ -146,14 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     device = require_gpu()  # fail fast, before the heavy imports
 
     import torch
-
-    root = Path(__file__).resolve().parents[1]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
     from rich.console import Console
     from rich.table import Table
 
-    from benchmarks import gemm as gemm_mod
+    from boost_compiler.bench import gemm as gemm_mod
 
     console = Console(record=True, width=150)
     name = torch.cuda.get_device_name(device)

@@ -15,8 +15,8 @@ import torch
 VOCAB_SIZE = 256
 
 
-def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
-    """Up to ``max_bytes`` of ``.py`` sources from the stdlib, as a uint8 tensor.
+def stdlib_corpus_bytes(max_bytes: int = 4 << 20) -> bytes:
+    """Up to ``max_bytes`` of ``.py`` sources from the stdlib, as bytes.
 
     Files are read in sorted order, so the corpus is the same on every run
     and every rank of the same Python version.
@@ -32,8 +32,12 @@ def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
             break
     if not chunks:
         raise FileNotFoundError(f"no .py files under the standard library folder {root}")
-    blob = b"".join(chunks)[:max_bytes]
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return b"".join(chunks)[:max_bytes]
+
+
+def stdlib_corpus(max_bytes: int = 4 << 20) -> torch.Tensor:
+    """:func:`stdlib_corpus_bytes` as a uint8 tensor."""
+    return torch.frombuffer(bytearray(stdlib_corpus_bytes(max_bytes)), dtype=torch.uint8)
 
 
 def random_batches(

@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import sys
 import time
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -23,11 +21,9 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cola_llama import build  # noqa: E402
-
-import boost_compiler  # noqa: E402
-from boost_compiler.data import VOCAB_SIZE, random_batches, stdlib_corpus  # noqa: E402
+import boost_compiler
+from boost_compiler.data import VOCAB_SIZE, random_batches, stdlib_corpus
+from boost_compiler.models.cola_llama import build
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

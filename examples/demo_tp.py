@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,11 +19,9 @@ from rich.console import Console
 from rich.table import Table
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cola_llama import build  # noqa: E402
-
-import boost_compiler  # noqa: E402
-from boost_compiler.data import VOCAB_SIZE, random_batches, stdlib_corpus  # noqa: E402
+import boost_compiler
+from boost_compiler.data import VOCAB_SIZE, random_batches, stdlib_corpus
+from boost_compiler.models.cola_llama import build
 
 
 def main() -> int:

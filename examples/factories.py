@@ -1,28 +1,30 @@
 """Factories for ``boost explain``: each returns ``(model, example_inputs, example_kwargs)``.
 
-Run from the repository root::
+The CoLA-LLaMA ones ship in the package (:mod:`boost_compiler.models.factories`,
+``boost explain cola-llama:tiny``) and are re-exported here. The GPT-2-SVD, grouped-query
+and CoLA reference-layout models are the test suite's (``tests/models.py``): run from the
+repository root::
 
-    boost explain examples.factories:cola_llama_tiny --tp 2 --out boost-report
-    boost explain examples.factories:cola_llama_40b_meta --tp 8 --out report-40b
-
-The CoLA-LLaMA factories pass ``labels`` so the captured graph is a training
-step (loss included). The GPT-2-SVD, grouped-query and CoLA reference-layout
-models are the test suite's (``tests/models.py``); those factories need the
-repository root on ``sys.path`` (``boost explain`` adds the working directory).
+    boost explain cola-llama:tiny --tp 2 --out boost-report
+    boost explain cola-llama:40b --tp 8 --out report-40b
+    boost explain examples.factories:gpt2_svd --tp 2 --out report-gpt2
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
-from examples.cola_llama import build, example_inputs
-
-Made = tuple[nn.Module, tuple[torch.Tensor, ...], dict[str, Any]]
+from boost_compiler.models.factories import (
+    Made,
+    cola_llama,
+    cola_llama_40b_meta,
+    cola_llama_60m,
+    cola_llama_tiny,
+)
 
 __all__ = [
+    "Made",
     "cola_llama",
     "cola_llama_40b_meta",
     "cola_llama_60m",
@@ -31,35 +33,6 @@ __all__ = [
     "gpt2_svd",
     "gqa_cola",
 ]
-
-
-def cola_llama(
-    preset: str = "tiny", batch: int = 2, seq: int = 16, device: str | None = None, **overrides: Any
-) -> Made:
-    """CoLA-LLaMA preset ``preset`` (``examples.cola_llama.CONFIGS``) with token ids and labels.
-
-    ``device="meta"`` builds it without allocating weights (planning only).
-    """
-    model = build(preset, device=device, **overrides)
-    (ids,) = example_inputs(model.cfg, batch=batch, seq=seq)
-    if device is not None:
-        ids = ids.to(device)
-    return model, (ids,), {"labels": ids}
-
-
-def cola_llama_tiny() -> Made:
-    """d=64, 2 layers, r=16: the test suite's model."""
-    return cola_llama("tiny")
-
-
-def cola_llama_60m() -> Made:
-    """CoLA's 60M shape (d=512, 8 layers, r=128) on the meta device."""
-    return cola_llama("60m", batch=1, seq=128, device="meta")
-
-
-def cola_llama_40b_meta() -> Made:
-    """The 40B shape (d=8192, 48 layers, r=2048) on the meta device."""
-    return cola_llama("40b", batch=1, seq=128, device="meta")
 
 
 def _from_tests(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

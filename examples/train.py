@@ -19,12 +19,8 @@ model.safetensors`` writes the single-device weights. Same flags as ``boost trai
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from boost_compiler.train.command import TRAIN  # noqa: E402
+from boost_compiler.train.command import TRAIN
 
 
 def main(argv: list[str] | None = None) -> int:

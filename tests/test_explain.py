@@ -248,7 +248,7 @@ def test_cli_explain_on_a_shipped_factory(tmp_path: Path) -> None:
     out = tmp_path / "cli-report"
     env = {**os.environ, "COLUMNS": "160", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "boost_compiler.cli", "explain",
-           "examples.factories:cola_llama_tiny", "--tp", "2", "--out", str(out)]  # fmt: skip
+           "cola-llama:tiny", "--tp", "2", "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "q_proj" in done.stdout and "report.html" in done.stdout

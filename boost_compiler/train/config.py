@@ -38,7 +38,7 @@ class TrainConfigError(BoostError, ValueError):
 class TrainConfig:
     """Everything that defines a training run. ``batch`` is the GLOBAL batch (all dp ranks)."""
 
-    model: str = "tiny"  # preset in examples/cola_llama.CONFIGS
+    model: str = "tiny"  # preset in boost_compiler.models.cola_llama.CONFIGS
     model_overrides: dict[str, Any] = field(default_factory=dict)  # TOML [model] table
     tp: int = 1
     dp: int | None = None  # None: world size // tp
@@ -129,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The training flags (every default suppressed: see the module docstring)."""
     s = argparse.SUPPRESS
     p.add_argument("--config", default=None, help="TOML file; flags given here win over it")
-    p.add_argument("--model", default=s, help="preset in examples/cola_llama.CONFIGS (tiny)")
+    p.add_argument("--model", default=s, help="CoLA-LLaMA preset: tiny, 60m, 1b, 7b, 40b (tiny)")
     p.add_argument("--tp", type=int, default=s, help="tensor-parallel degree (BTP) (1)")
     p.add_argument("--dp", type=int, default=s, help="data-parallel degree (world / tp)")
     p.add_argument("--steps", type=int, default=s, help="optimizer steps in total (100)")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import stdlib_corpus
+from ..data import stdlib_corpus_bytes
 from .config import TrainConfigError
 
 
@@ -48,7 +48,7 @@ def dp_slice(global_batch: torch.Tensor, dp_rank: int, dp: int) -> torch.Tensor:
 def load_corpus(path: str | None, max_bytes: int = 64 << 20) -> Corpus:
     """Every file under ``path`` (sorted, recursive, joined by newlines) or the stdlib corpus."""
     if path is None:
-        tokens = stdlib_corpus()
+        blob = stdlib_corpus_bytes()
         source = "embedded stdlib corpus"
     else:
         root = Path(path)
@@ -58,7 +58,8 @@ def load_corpus(path: str | None, max_bytes: int = 64 << 20) -> Corpus:
         if not files:
             raise TrainConfigError(f"--data {path}: no files")
         blob = b"\n".join(f.read_bytes() for f in files)[:max_bytes]
-        tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         source = f"{len(files)} file(s) under {root}"
-    digest = hashlib.sha256(tokens.numpy().tobytes()).hexdigest()[:16]
+    # The digest from the bytes themselves (no numpy at run time: not a dependency).
+    digest = hashlib.sha256(blob).hexdigest()[:16]
+    tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     return Corpus(tokens, source, digest)

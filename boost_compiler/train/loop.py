@@ -17,16 +17,13 @@ float rounding: that is what the parity tests check.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,22 +39,10 @@ from .data import Corpus, dp_slice, load_corpus
 log = get_logger(__name__)
 
 
-def import_cola_llama() -> ModuleType:
-    """``examples.cola_llama`` from the source checkout (beside the package, or the cwd)."""
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
-        if (root / "examples" / "cola_llama.py").is_file():
-            if str(root) not in sys.path:
-                sys.path.insert(0, str(root))
-            return importlib.import_module("examples.cola_llama")
-    raise TrainConfigError(
-        "the training job needs examples/cola_llama.py: install the package editable "
-        "(pip install -e .) or run from the repository root"
-    )
-
-
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The preset ``cfg.model`` with its overrides, seeded (identical on every rank)."""
-    cola = import_cola_llama()
+    from ..models import cola_llama as cola
+
     if cfg.model not in cola.CONFIGS:
         raise TrainConfigError(f"unknown --model {cfg.model!r}; presets: {sorted(cola.CONFIGS)}")
     overrides = dict(cfg.model_overrides)

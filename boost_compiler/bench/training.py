@@ -1,4 +1,4 @@
-"""One benchmarked training run (runs inside a spawned process; see ``_profile.spawn``).
+"""One benchmarked training run (runs inside a spawned process; see ``harness.spawn``).
 
 A system is one of :data:`SYSTEMS`. Every system trains the same CoLA-LLaMA (same seed, same
 batches, AdamW), except ``dtensor-dense`` which trains the dense twin; so the losses of the
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._profile import (
+from .harness import (
     BACKWARD_MARK,
     ModelSpec,
     count_collectives,
@@ -237,7 +237,7 @@ def _time_interleaved(
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from examples.cola_llama import example_inputs
+    from ..models.cola_llama import example_inputs
 
     def barrier() -> None:
         if world > 1:

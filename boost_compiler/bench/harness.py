@@ -1,10 +1,12 @@
 """Shared helpers of the benchmarks: models, torch's DTensor TP plans, gloo event counting, spawning.
 
-Strategies (tensor-parallel systems compared by ``comm_per_layer.py`` and ``bench.py``):
+Used by ``boost bench`` (:mod:`.suite`) and ``benchmarks/comm_per_layer.py``.
+
+Strategies (tensor-parallel systems compared by ``comm_per_layer.py`` and ``boost bench``):
 
 ``boost``
     ``boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})`` on the CoLA-LLaMA of
-    ``examples/cola_llama.py`` (bottleneck-aware TP); compiled with ``backend="boost"``.
+    ``boost_compiler.models.cola_llama`` (bottleneck-aware TP); compiled with ``backend="boost"``.
 ``dtensor-lowrank``
     The same low-rank model with torch DTensor TP, the "standard" plan of BOOST's paper
     (Megatron applied to each factor pair, i.e. split along r): every ``.down`` factor is
@@ -49,10 +51,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `examples` lives in the repository root, not in the package
-    sys.path.insert(0, str(ROOT))
 
 STRATEGIES = ("boost", "boost-btp", "dtensor-lowrank", "dtensor-dense")
 # BTP alone: group_linears and online_norm off (what those two passes improve on).
@@ -107,7 +105,7 @@ class ModelSpec:
 
 def make_model(strategy: str, spec: ModelSpec, seed: int = 0) -> nn.Module:
     """The low-rank CoLA-LLaMA of ``spec`` (fp32, CPU), or its dense twin for ``dtensor-dense``."""
-    from examples.cola_llama import LowRankLinear, build
+    from ..models.cola_llama import LowRankLinear, build
 
     model = build(
         "tiny",
