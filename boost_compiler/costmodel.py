@@ -246,9 +246,14 @@ def formulas(fused: bool = True) -> dict[str, StrategyFormula]:
     }
 
 
-# Outside the layers, what parallelize does for an untied LM head: the final norm's
-# statistics (forward and backward) and one all-gather of [b, s, d] before the head.
-BTP_STEP_EXTRA = (_cf(d, 1, 2), _cf(0, 1, 1))
+# Outside the layers, what parallelize does for an untied LM head whose logits reach the
+# model's next-token cross-entropy (labels given): the final norm's statistics (forward
+# and backward), one all-gather of [b, s, d] before the vocabulary-parallel head and its
+# backward all-reduce (the hidden's gradient sums the vocabulary shards' parts), and the
+# loss's per-token statistics over the b(s-1) shifted tokens: a max, then [sum exp, target].
+BTP_STEP_EXTRA = (_cf(d, 1 + 3 * (s - 1) / s, 4), _cf(d, 1, 2))
+# The same model returning logits (no loss in the graph): the head is replicated.
+BTP_STEP_EXTRA_LOGITS = (_cf(d, 1, 2), _cf(0, 1, 1))
 
 
 def arithmetic_intensity(M: Any, K: Any, N: Any, elem_bytes: Any = e) -> sp.Expr:
@@ -401,21 +406,22 @@ def cost(
 
 
 def step_bytes(
-    dims: LlamaDims, tp: int, batch: int, seq: int, dtype: str, strategy: str = "boost"
-) -> dict[str, int]:
+    dims: LlamaDims, tp: int, batch: int, seq: int, dtype: str, strategy: str = "boost",
+    loss: bool = True,
+) -> dict[str, int]:  # fmt: skip
     """Whole-step bytes and collectives of ``parallelize`` by formula, untied LM head.
 
     ``n_layers`` times the per-layer formula of ``strategy`` (``"boost"``: the default
     passes; ``"btp"``: ``group_linears`` and ``online_norm`` off) plus
-    :data:`BTP_STEP_EXTRA`; the counterpart of :func:`plan_comm` for the same model,
-    for checking one by the other.
+    :data:`BTP_STEP_EXTRA` (``loss``: the model computes its cross-entropy) or
+    :data:`BTP_STEP_EXTRA_LOGITS`; the counterpart of :func:`plan_comm` for the same
+    model, for checking one by the other.
     """
     subs = {**dims.values(tp), b: batch, s: seq, e: DTYPE_BYTES[dtype]}
     f = formulas()[strategy]
+    fwd, bwd = BTP_STEP_EXTRA if loss else BTP_STEP_EXTRA_LOGITS
     out = {}
-    for way, layer, extra in (
-        ("forward", f.forward, BTP_STEP_EXTRA[0]), ("backward", f.backward, BTP_STEP_EXTRA[1])
-    ):  # fmt: skip
+    for way, layer, extra in (("forward", f.forward, fwd), ("backward", f.backward, bwd)):
         out[f"{way}_bytes"] = _int(dims.n_layers * layer.bytes + extra.bytes, subs)
         out[f"{way}_collectives"] = _int(dims.n_layers * layer.count + extra.count, subs)
     return out

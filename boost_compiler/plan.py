@@ -23,6 +23,7 @@ class TPPlan:
     bottlenecks: list[Bottleneck] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)  # e.g. how the LM head is split, and why
 
     def forward_collectives(self) -> list[Collective]:
         return [c for c in self.collectives if c.forward]

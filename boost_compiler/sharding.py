@@ -37,6 +37,7 @@ from .graph_ops import shape_of, value_of
 from .passes.functionalize import is_mutation
 from .placement import P, Placement, R, S, unblock
 from .sharding_rules import _BLOCK_READERS, OpRules, _describe, _requires_grad
+from .sharding_vocab import VocabRules
 
 log = get_logger(__name__)
 
@@ -59,9 +60,10 @@ class ShardingResult:
     params: dict[str, Placement] = field(default_factory=dict)
     collectives: list[Collective] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)  # choices made, with their reason
 
 
-class ShardingPropagator(OpRules):
+class ShardingPropagator(OpRules, VocabRules):
     """Rewrites ``gm`` in place for one rank of a ``p``-way tensor-parallel group.
 
     ``fixed`` holds parameter placements decided earlier (the model's shards

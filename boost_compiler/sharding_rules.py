@@ -37,13 +37,16 @@ _ELEMENTWISE_FN = {
     torch.sigmoid, torch.tanh, torch.relu, torch.where, torch.clone,
     torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
     F.silu, F.gelu, F.relu, F.tanh, F.sigmoid, F.leaky_relu,
+    operator.gt, operator.lt, operator.ge, operator.le, operator.eq, operator.ne,
+    torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne,
 }  # fmt: skip
 _ELEMENTWISE_METHOD = {
     "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "exp", "float", "half", "bfloat16",
     "to", "type", "type_as", "double", "contiguous", "clone", "silu", "sigmoid", "tanh", "relu", "masked_fill",
     "__add__", "__mul__", "__sub__", "__truediv__", "__radd__", "__rmul__", "detach",
+    "gt", "lt", "ge", "le", "eq", "ne", "long", "int", "bool",
 }  # fmt: skip
-_VIEW_METHOD = {"view", "reshape"}
+_VIEW_METHOD = {"view", "reshape", "flatten"}
 
 
 class OpRules:
@@ -81,6 +84,8 @@ class OpRules:
                 return self._elementwise
             if t is F.dropout:
                 return self._dropout
+            if t is F.cross_entropy:
+                return self._cross_entropy
             if t is F.embedding:
                 return self._embedding
             if t in (torch.rms_norm, F.rms_norm, F.layer_norm, torch.layer_norm):
@@ -91,9 +96,9 @@ class OpRules:
                 return self._along_other_dim
             if t is operator.getitem:
                 return self._getitem
-            if t is torch.cat:
+            if t in (torch.cat, torch.stack):
                 return self._cat
-            if t in (torch.reshape,):
+            if t in (torch.reshape, torch.flatten):
                 return self._view
             if t in (torch.slice_scatter, torch.select_scatter):
                 return self._scatter
@@ -124,10 +129,12 @@ class OpRules:
         if any(self.peek(a) == P for a in tensors):
             self._replicate_inputs(node)
         dims = {self._aligned(a, out) for a in tensors if (pl := self.peek(a)) and pl.is_shard}
-        if out is None or not dims:
+        if not dims:
             self.env[node] = R
             return
-        if len(dims) > 1 or None in dims:
+        # None: a sharded input of an op with no tensor output (``torch.where(mask)``'s
+        # index tuple): gathered, never called replicated on a shard.
+        if out is None or len(dims) > 1 or None in dims:
             return self._fallback(node)
         [k] = dims
         nd = len(out)
@@ -192,6 +199,8 @@ class OpRules:
                         user.replace_input_with(reduced, added)
                 self._decide(bias, R)
                 self.env[added] = R
+            return
+        if self._vocab_parallel_head(node, c):  # an LM head whose logits reach a loss
             return
         # A dense consumer of the hidden (LM head, classifier): full input, full weight.
         self._replicate_inputs(node)
@@ -314,6 +323,13 @@ class OpRules:
             return
         src, dst = shape_of(x), shape_of(node)
         moved = shard_through_view(src, dst, pl.dim, self.p)
+        if node.target in ("flatten", torch.flatten):
+            # Its arguments are dims, not sizes: the same call flattens the local
+            # shard. Exact when the shard dim leads its merged group (or is outside
+            # it), which shard_through_view checks: each rank's block stays whole.
+            if moved is None or moved[1] % self.p:
+                return self._fallback(node)
+            return self.set(node, S(moved[0]))
         sizes = node.args[1:]
         if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
             sizes = tuple(sizes[0])
@@ -420,14 +436,41 @@ class OpRules:
         if not isinstance(value_of(src), torch.Tensor):
             self.env[node] = pl  # an element of chunk()/split(): same placement
             return
+        if any(self.placement(a) != R for a in node.all_input_nodes if a is not src):
+            return self._fallback(node)  # an index tensor that differs per rank
         if not pl.is_shard:
             return self._call_replicated(node, pl)
         idx = idx if isinstance(idx, tuple) else (idx,)
         if pl.blocks:
             return self._getitem_block(node, src, idx, pl)
-        k = _dim_after_index(idx, pl.dim, len(shape_of(src)))
+        nd = len(shape_of(src))
+        k = _dim_after_index(idx, pl.dim, nd)
         if k is None:
-            return self._fallback(node)
+            # One replicated integer index tensor on another dim (a MoE block's
+            # ``hidden[token_ids]``): every rank gathers the same rows of its own
+            # columns, and the backward (index_put, accumulate) stays per column.
+            k = _dim_after_tensor_index(idx, pl.dim, nd)
+            out = shape_of(node)
+            if k is None or out is None or out[k] != shape_of(src)[pl.dim]:
+                return self._fallback(node)
+            # Already gathered (a MoE router read the full hidden, through its own
+            # reshape and cast): index that copy, free; the rows picked (top-k: k
+            # per token) would cost k times more to gather later.
+            root, shape, dtype = _same_values(src)
+            gathered = next(
+                (
+                    g
+                    for (c, to), g in self.converted.items()
+                    if to == R
+                    and (same := _same_values(c))[0] is root
+                    and same[1:] == (shape, dtype)
+                ),
+                None,
+            )
+            if gathered is not None:
+                node.replace_input_with(src, gathered)
+                self.env[node] = R
+                return
         self.set(node, S(k))
 
     def _getitem_block(self, node: fx.Node, src: fx.Node, idx: tuple, pl: Placement) -> None:
@@ -464,6 +507,16 @@ class OpRules:
             self.env[node] = R
             return
         shards = pls - {R}
+        if node.target is torch.stack:
+            # A new dim at ``dim``: never the shard dim, which moves past it. Every
+            # piece the same shape, each rank stacks its own columns of each.
+            if len(shards) != 1 or (pl := next(iter(shards))).blocks:
+                return self._fallback(node)
+            d = dim % nd
+            for t in tensors:
+                if self.placement(t) == R:
+                    node.replace_input_with(t, self.to_shard(t, pl.dim, node))
+            return self.set(node, S(pl.dim + (1 if pl.dim >= d else 0)))
         if len(shards) != 1 or (pl := next(iter(shards))).dim == dim % nd:
             return self._fallback(node)
         for t in tensors:
@@ -729,6 +782,54 @@ def _dim_after_index(idx: tuple[Any, ...], dim: int, nd: int) -> int | None:
             continue
         return None  # tensor indexing
     return out + (dim - src)
+
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+_RESHAPES = ("view", "reshape", "flatten", torch.reshape, torch.flatten)
+
+
+def _same_values(node: fx.Node) -> tuple[fx.Node, tuple[Any, ...], Any]:
+    """``(root, shape, dtype)``: equal for two nodes that hold the same values.
+
+    ``root`` is reached through reshapes (row-major: the values depend only on the
+    input and the shape), ``contiguous`` and casts to the dtype the tensor already
+    has; anything else is a root.
+    """
+    shape, dtype = tuple(shape_of(node) or ()), getattr(value_of(node), "dtype", None)
+    while node.op in ("call_function", "call_method") and node.args:
+        src = node.args[0]
+        if not isinstance(src, fx.Node) or getattr(value_of(src), "dtype", None) != dtype:
+            break
+        if not (node.target in _RESHAPES or node.target == "contiguous" or _is_cast(node)):
+            break
+        node = src
+    return node, shape, dtype
+
+
+def _dim_after_tensor_index(idx: tuple[Any, ...], dim: int, nd: int) -> int | None:
+    """Where dim ``dim`` goes after ``x[idx]`` when ``idx`` is one integer index tensor
+    on another dim and full slices elsewhere (its dims replace the indexed one in
+    place); None for anything else (masks, several tensors, ``None``, ints)."""
+    if None in idx or sum(i is Ellipsis for i in idx) > 1:
+        return None
+    n_real = sum(1 for i in idx if i is not Ellipsis)
+    expanded: list[Any] = []
+    for i in idx:
+        expanded.extend([slice(None)] * (nd - n_real) if i is Ellipsis else [i])
+    expanded.extend([slice(None)] * (nd - len(expanded)))
+    tensors = [j for j, i in enumerate(expanded) if isinstance(i, fx.Node)]
+    if len(expanded) != nd or len(tensors) != 1:
+        return None
+    [at] = tensors
+    index = value_of(expanded[at])
+    if (
+        at == dim
+        or not isinstance(index, torch.Tensor)
+        or index.dtype not in _INDEX_DTYPES
+        or any(i != slice(None) for j, i in enumerate(expanded) if j != at)
+    ):
+        return None
+    return dim if dim < at else dim + index.dim() - 1
 
 
 def _legacy_empty(arg: Any) -> bool:

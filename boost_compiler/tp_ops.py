@@ -176,3 +176,53 @@ def online_layer_norm_reduce(
         y = rstd * (s - mean * wa)
         out.append((y + ba if ba is not None else y).to(p.dtype))
     return out
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    vocab: int,
+    rank: int,
+    world: int,
+    group: str,
+) -> torch.Tensor:
+    """``F.cross_entropy(logits_full, target, ...)`` from this rank's vocabulary columns.
+
+    ``logits`` is ``[N, V/p]``: columns ``[rank*V/p, (rank+1)*V/p)`` of the full
+    ``[N, V]``. Per token, the loss needs only three numbers over the whole
+    vocabulary: the max (a stabiliser: detached, the log-sum-exp does not depend
+    on it), the sum of exponentials and the target's logit (plus the sum of
+    logits with label smoothing). They are one max all-reduce and one sum
+    all-reduce of ``[N, 2 or 3]``; the backward (softmax minus one-hot, on the
+    local columns) needs no collective at all. Statistics in fp32; the result in
+    the logits' dtype, as torch's. Matches torch's definition of label smoothing
+    (``(1-e) * nll + e * mean_c(-log p_c)``) and of ``mean`` with ignored targets
+    (divided by the number of targets that are not ignored).
+    """
+    from .collectives import _c10d
+
+    z = logits.float()
+    part = z.shape[-1]
+    lo = rank * part
+    m = _c10d.wait_tensor(_c10d.all_reduce(z.detach().amax(-1).contiguous(), "max", group))
+    local = [torch.exp(z - m.unsqueeze(-1)).sum(-1)]
+    inside = (target >= lo) & (target < lo + part)
+    idx = (target - lo).clamp(0, part - 1).unsqueeze(-1)
+    local.append(z.gather(-1, idx).squeeze(-1) * inside)
+    if label_smoothing:
+        local.append(z.sum(-1))
+    stats = reduce_from_tp(torch.stack(local, -1), group)
+    lse = torch.log(stats[..., 0]) + m
+    loss = lse - stats[..., 1]
+    if label_smoothing:
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - stats[..., 2] / vocab)
+    valid = target != ignore_index
+    loss = torch.where(valid, loss, torch.zeros_like(loss)).to(logits.dtype)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().to(loss.dtype)

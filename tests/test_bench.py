@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmarks (``benchmarks/``, ``boost bench``): fast, tiny sizes only."""
+"""Smoke tests of the benchmarks (``boost_compiler/bench/``, ``boost bench``): fast, tiny sizes only."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench, gemm
-from benchmarks._profile import ModelSpec, spawn
 from boost_compiler import costmodel as cm
+from boost_compiler.bench import gemm
+from boost_compiler.bench import suite as bench
+from boost_compiler.bench.harness import ModelSpec, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = bench.SIZES["tiny"]
@@ -57,8 +58,15 @@ def test_predictions_tiny() -> None:
     assert (dense["fwd_bytes"], dense["bwd_bytes"]) == (L * t * 2 * d * 4, L * t * 5 * d * 4)
     boost = bench.predict("boost", TINY, 2)
     fwd_stats = 2 if boost["formula"] in ("boost", "btp") else 0
-    # L x 7r latents (+ 2 norm statistics), the LM head's all-gather [b, s, d], final-norm stats
-    assert boost["fwd_bytes"] == L * t * (7 * r + fwd_stats) * 4 + t * d * 4 + t * 4
+    # L x 7r latents (+ 2 norm statistics), the vocabulary-parallel head's all-gather
+    # [b, s, d], final-norm stats, and the loss's max + [sum exp, target] per shifted token
+    loss_tokens = TINY.batch * (TINY.seq - 1)
+    assert boost["fwd_bytes"] == (
+        L * t * (7 * r + fwd_stats) * 4 + t * d * 4 + t * 4 + loss_tokens * 3 * 4
+    )
+    # backward: L x 7r latents (+ stats), final-norm stats, the head input's gradient [b, s, d]
+    bwd_stats = 2 if boost["formula"] == "btp" else 0
+    assert boost["bwd_bytes"] == L * t * (7 * r + bwd_stats) * 4 + t * 4 + t * d * 4
 
 
 def test_analyse_ratios_and_match() -> None:
@@ -110,8 +118,13 @@ def comm_check(*, rank: int, world: int, mesh: Any, spec: dict[str, Any]) -> dic
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from benchmarks._profile import BACKWARD_MARK, count_collectives, make_model, parallelize
-    from examples.cola_llama import example_inputs
+    from boost_compiler.bench.harness import (
+        BACKWARD_MARK,
+        count_collectives,
+        make_model,
+        parallelize,
+    )
+    from boost_compiler.models.cola_llama import example_inputs
 
     ms = ModelSpec(**spec)
     out = {}

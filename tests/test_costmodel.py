@@ -68,32 +68,42 @@ def test_matches_bytes_measured_in_readme() -> None:
 
 
 @functools.cache
-def _plan_comm(world: int, dtype: torch.dtype = torch.float32, n_layers: int = 2, kv: int = 4):
+def _plan_comm(
+    world: int, dtype: torch.dtype = torch.float32, n_layers: int = 2, kv: int = 4,
+    labels: bool = False,
+):  # fmt: skip
     """parallelize the tiny CoLA-LLaMA (d=64, r=16, d_ff=172, 4 heads) on the fake group."""
     overrides = {"n_layers": n_layers, "n_kv_heads": kv}
     with fake_process_group(world):
         model = build("tiny", **overrides).to(dtype)
         ids = example_inputs(model.cfg, seq=16)
-        boost_compiler.parallelize(model, dist.group.WORLD, ids)
+        kwargs = {"labels": ids[0]} if labels else None
+        boost_compiler.parallelize(model, dist.group.WORLD, ids, kwargs)
         plan = model.boost_plan
     assert plan.fallbacks == []
     return cm.LlamaDims.from_model_config(model.cfg), cm.plan_comm(plan)
 
 
 @pytest.mark.parametrize(
-    ("world", "dtype", "n_layers", "kv"),
-    [(2, torch.float32, 2, 4), (4, torch.float32, 2, 4), (2, torch.bfloat16, 3, 2)],
-)
+    ("world", "dtype", "n_layers", "kv", "labels"),
+    [(2, torch.float32, 2, 4, False), (4, torch.float32, 2, 4, False),
+     (2, torch.bfloat16, 3, 2, False), (2, torch.float32, 2, 4, True),
+     (2, torch.bfloat16, 3, 2, True)],
+)  # fmt: skip
 def test_formula_matches_captured_plan(
-    world: int, dtype: torch.dtype, n_layers: int, kv: int
+    world: int, dtype: torch.dtype, n_layers: int, kv: int, labels: bool
 ) -> None:
     """Whole step: L x the boost formula + final norm statistics + LM-head all-gather.
 
     parallelize's plan runs the default passes (group_linears, online_norm), so the
-    plan is BOOST's; in bf16 that includes the fp32 online-norm payloads.
+    plan is BOOST's; in bf16 that includes the fp32 online-norm payloads. With
+    ``labels`` the loss is in the graph: the head is vocabulary-parallel, so its
+    input's gradient is all-reduced and the loss adds its per-token statistics.
     """
-    dims, got = _plan_comm(world, dtype, n_layers, kv)
-    want = cm.step_bytes(dims, world, 2, 16, {torch.float32: "fp32"}.get(dtype, "bf16"))
+    dims, got = _plan_comm(world, dtype, n_layers, kv, labels)
+    want = cm.step_bytes(
+        dims, world, 2, 16, {torch.float32: "fp32"}.get(dtype, "bf16"), loss=labels
+    )
     assert got.forward_bytes == want["forward_bytes"]
     assert got.backward_bytes == want["backward_bytes"]
     assert got.forward_collectives == want["forward_collectives"]

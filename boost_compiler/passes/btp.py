@@ -28,6 +28,7 @@ class BottleneckTP(BoostPass):
     depends_on = (
         "boost_compiler.sharding",
         "boost_compiler.sharding_rules",
+        "boost_compiler.sharding_vocab",
         "boost_compiler.tp_ops",
         "boost_compiler.collectives",
     )
