@@ -42,6 +42,7 @@ from .errors import (
     OptionError,
     OptionTypeError,
     ShardingError,
+    UncompiledFrameError,
     UnknownOptionError,
 )
 from .explain import Report, explain
@@ -76,6 +77,7 @@ __all__ = [
     "ShardingError",
     "StateDictError",
     "TPPlan",
+    "UncompiledFrameError",
     "UnknownOptionError",
     "UnsupportedModuleError",
     "boost_backend",

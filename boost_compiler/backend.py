@@ -27,7 +27,7 @@ from .capture import placeholder_names
 from .errors import OptionTypeError, ShardingError
 from .graph_dump import GraphDumper
 from .options import BoostOptions
-from .parallel import current_local
+from .parallel import SUBSTITUTED, current_local
 from .passes import PIPELINE, BoostPass, PassContext
 from .passes.base import _digest
 
@@ -178,6 +178,9 @@ def _with_local_shards(fn: Callable[..., Any], positions: list[int], tp: Any) ->
 
     def run(*args: Any) -> Any:
         args_ = list(args)
+        seen = SUBSTITUTED.get()
+        if seen is not None:  # the parallelized forward checks its parameters were all here
+            seen.update(args_[i]._boost_fqn for i in positions)
         for i in positions:
             placeholder = args_[i]
             if placeholder._boost_group != tp:

@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch import nn
 
 from ._logging import get_logger
-from .errors import BoostError, CaptureError, MutationError
+from .errors import BoostError, CaptureError, MutationError, UncompiledFrameError
 
 log = get_logger(__name__)
 
@@ -110,6 +110,7 @@ def capture(
     example_inputs: Sequence[Any] = (),
     example_kwargs: Mapping[str, Any] | None = None,
     refuse_parameter_writes: bool = False,
+    require_compiled: bool = False,
 ) -> list[CapturedGraph]:
     """Trace ``model(*example_inputs, **example_kwargs)`` with dynamo.
 
@@ -119,7 +120,11 @@ def capture(
     once, but graph inputs its forward writes into (a running statistic, a
     cache) are given copies: capturing changes no buffer, parameter or input.
     With ``refuse_parameter_writes`` a forward that writes into a parameter
-    raises :class:`MutationError` before it runs.
+    raises :class:`MutationError` before it runs. With ``require_compiled`` a
+    frame that dynamo could not compile (it runs such a frame, and all it calls,
+    as Python: e.g. after a graph break inside a loop over modules) raises
+    :class:`UncompiledFrameError`: a parallelized model would run that code on
+    placeholders.
     """
     from .passes.functionalize import describe_write, written_inputs
 
@@ -152,6 +157,9 @@ def capture(
     kwargs = dict(example_kwargs or {})
     # Capture must not be cut short by the recompile limit when many models of
     # one class are analysed in one process (dynamo caches per code object).
+    from torch._dynamo.utils import counters
+
+    frames = dict(counters["frames"])
     with torch._dynamo.config.patch(
         recompile_limit=10_000,
         accumulated_recompile_limit=100_000,
@@ -168,6 +176,18 @@ def capture(
                 f"{type(model).__name__} did not run with the example inputs "
                 f"({_describe(example_inputs, kwargs)}): {type(exc).__name__}: {exc}"
             ) from exc
+    failed = (counters["frames"]["total"] - frames.get("total", 0)) - (
+        counters["frames"]["ok"] - frames.get("ok", 0)
+    )
+    if failed and require_compiled:
+        reasons = sorted({str(r).splitlines()[0] for r in counters["graph_break"]})
+        raise UncompiledFrameError(
+            f"dynamo could not compile {failed} frame(s) of {type(model).__name__} and runs "
+            "them as Python (e.g. a graph break inside a loop over modules: dynamo then "
+            "skips the whole loop); a parallelized model would run them on placeholders, not "
+            f"on this rank's shards. Graph breaks seen: {reasons[:3]}. Remove them "
+            "(TORCH_LOGS=graph_breaks shows where), or move them out of loops"
+        )
     if not graphs:
         raise CaptureError(
             f"dynamo produced no graph for {type(model).__name__}; is its forward empty "

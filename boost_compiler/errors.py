@@ -40,3 +40,7 @@ class MutationError(BoostError, RuntimeError):
 
 class AlreadyParallelizedError(BoostError, RuntimeError):
     """``parallelize`` was called on a model that is already parallelized."""
+
+
+class UncompiledFrameError(BoostError, RuntimeError):
+    """A part of a parallelized model ran as plain Python, outside the compiled graphs."""

@@ -14,6 +14,7 @@ that a graph which bypassed the rewrite could not silently produce numbers.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import functools
 from collections.abc import Mapping, Sequence
@@ -28,7 +29,7 @@ from ._logging import get_logger
 from .capture import capture
 from .collectives import group_name_of
 from .detect import find_bottlenecks
-from .errors import AlreadyParallelizedError, MeshError
+from .errors import AlreadyParallelizedError, MeshError, UncompiledFrameError
 from .options import BoostOptions
 from .passes import FRONT, TP_PASSES, PassContext
 from .placement import Placement, R
@@ -131,7 +132,10 @@ def parallelize(
     opts = BoostOptions.parse(options)
     _refuse_parallelized(model)
     group = resolve_group(tp_mesh)
-    graphs = capture(model, tuple(example_inputs), example_kwargs, refuse_parameter_writes=True)
+    graphs = capture(
+        model, tuple(example_inputs), example_kwargs,
+        refuse_parameter_writes=True, require_compiled=True,
+    )  # fmt: skip
 
     plan = TPPlan(p=group.size, group=group.name)
     for g in graphs:
@@ -149,8 +153,14 @@ def parallelize(
         plan.bottlenecks += bottlenecks
         plan.collectives += result.collectives
         plan.fallbacks += result.fallbacks
+        plan.decisions += result.decisions
     # Every check above ran on the captured copy: nothing was modified before here.
     _shard_in_place(model, plan, group, dict(options or {}))
+    model.forward.expect(  # type: ignore[attr-defined]
+        model.training,
+        frozenset((example_kwargs or {}).keys()),
+        frozenset(fqn for g in graphs for fqn in g.param_names.values()),
+    )
     synchronise_rng(group)
     log.info(
         "parallelized %s over tp=%d: %d bottleneck(s), %d sharded parameter(s)",
@@ -267,6 +277,12 @@ def _follow(shadow: nn.Module, model: nn.Module) -> None:
             smod._parameters[pname] = moved[id(ph)]
 
 
+# The parameters the compiled graphs of the current forward call ran with (by name).
+SUBSTITUTED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "boost_substituted", default=None
+)
+
+
 class _ShadowForward:
     """The parallelized model's forward: the shadow, through the boost backend.
 
@@ -293,14 +309,47 @@ class _ShadowForward:
         backend = functools.partial(boost_backend, options={**options, "lowering": "eager"})
         self.eager = torch.compile(shadow, backend=backend, dynamic=False)
 
+    def expect(self, training: bool, kwargs: frozenset[str], used: frozenset[str]) -> None:
+        """The parameters graphs must compute with in a call like parallelize's example."""
+        self.expected = (training, kwargs, used)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # inlined into the user's traced code
+        if torch.compiler.is_dynamo_compiling():  # inlined into the user's traced code
             return self.shadow(*args, **kwargs)
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            return self._enter(*args, **kwargs)
+        seen: set[str] = set()
+        token = SUBSTITUTED.set(seen)
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                out = self._enter(*args, **kwargs)
+        finally:
+            SUBSTITUTED.reset(token)
+        self._check_compiled(seen, frozenset(kwargs))
+        return out
+
+    def _check_compiled(self, seen: set[str], kwargs: frozenset[str]) -> None:
+        """Every parameter the example call used must have reached a compiled graph.
+
+        One that did not was read by code dynamo left to plain Python (a frame it
+        skipped, with everything it calls, e.g. after a graph break inside a loop
+        over modules): that code computed on the NaN placeholders. Checked for calls
+        like parallelize's example (train/eval mode and keyword names), whose
+        parameters are known; other calls may rightly use fewer.
+        """
+        training, example_kwargs, used = getattr(self, "expected", (None, None, frozenset()))
+        if (self.shadow.training, kwargs) != (training, example_kwargs):
+            return
+        missing = sorted(used - seen)
+        if missing:
+            raise UncompiledFrameError(
+                f"parameters {missing[:4]}{'...' if len(missing) > 4 else ''} of a parallelized "
+                "model were read outside the compiled graphs (dynamo left their frame to "
+                "Python, e.g. after a graph break inside a loop over modules): that part "
+                "computed on placeholders, not on this rank's shards. Remove the graph break "
+                "(TORCH_LOGS=graph_breaks shows where), or move it out of the loop"
+            )
 
     def _enter(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             # The top frame of the user's torch.compile(model, backend="boost"): trace
             # the shadow; the outer backend sees the placeholders and applies the rewrite.
             return self.shadow(*args, **kwargs)

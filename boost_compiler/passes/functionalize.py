@@ -329,6 +329,8 @@ class _Functionalizer:
 
     def _setitem(self, node: fx.Node, old: fx.Node, index: Any, value: Any) -> fx.Node:
         """The new value of ``old`` after ``old[index] = value`` (``index=None``: all of it)."""
+        if _tensor_index(index):  # old[idx] = v, idx integer or mask tensors: index_put
+            return self._index_put(node, old, index, value)
         if index is not None and not _basic_index(index):
             raise MutationError(
                 f"{_where(node)}: assignment through an advanced index "
@@ -351,6 +353,19 @@ class _Functionalizer:
         if index is None:
             return fill
         return self._scatter_index(node, old, fill, index)
+
+    def _index_put(self, node: fx.Node, old: fx.Node, index: Any, value: Any) -> fx.Node:
+        """``old[idx] = value`` with index tensors only: ``torch.index_put``, functional."""
+        indices = tuple(index) if isinstance(index, (tuple, list)) else (index,)
+        dtype = value_of(old).dtype
+        if not isinstance(value, fx.Node):
+            value = self._emit(
+                "call_function", torch.scalar_tensor, (value,),
+                {"dtype": dtype, "device": value_of(old).device}, like=node,
+            )  # fmt: skip
+        elif value_of(value).dtype != dtype:
+            value = self._emit("call_method", "to", (value, dtype), {}, like=node)
+        return self._emit("call_function", torch.index_put, (old, indices, value), {}, like=node)
 
     # -- writing a view's new value back into what it views ----------------
 
@@ -541,6 +556,14 @@ def _inplace_flag(node: fx.Node) -> bool:
         return bool(_bind(node).arguments.get("inplace", False))
     except (TypeError, ValueError):
         return False
+
+
+def _tensor_index(index: Any) -> bool:
+    """Every entry of the index is a tensor (integer indices or a mask), none a slice."""
+    items = index if isinstance(index, (tuple, list)) else (index,)
+    return bool(items) and all(
+        isinstance(i, fx.Node) and isinstance(value_of(i), torch.Tensor) for i in items
+    )
 
 
 def _basic_index(index: Any) -> bool:
