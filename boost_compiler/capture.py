@@ -180,14 +180,22 @@ def capture(
         counters["frames"]["ok"] - frames.get("ok", 0)
     )
     if failed and require_compiled:
-        reasons = sorted({str(r).splitlines()[0] for r in counters["graph_break"]})
-        raise UncompiledFrameError(
-            f"dynamo could not compile {failed} frame(s) of {type(model).__name__} and runs "
-            "them as Python (e.g. a graph break inside a loop over modules: dynamo then "
-            "skips the whole loop); a parallelized model would run them on placeholders, not "
-            f"on this rank's shards. Graph breaks seen: {reasons[:3]}. Remove them "
-            "(TORCH_LOGS=graph_breaks shows where), or move them out of loops"
-        )
+        # Dynamo gave up on a frame and runs it as Python; the frames it calls are still
+        # compiled, so only parameters read by that frame itself (or by torch.nn modules
+        # it calls, whose frames dynamo skips) miss every graph: those would compute on
+        # placeholders. (An unused parameter is refused too: it cannot be told apart.)
+        in_graphs = {fqn for g in graphs for fqn in g.param_names.values()}
+        outside = [n for n, p in model.named_parameters() if n not in in_graphs]
+        if outside:
+            reasons = sorted({str(r).splitlines()[0] for r in counters["graph_break"]})
+            raise UncompiledFrameError(
+                f"dynamo could not compile {failed} frame(s) of {type(model).__name__} and runs "
+                f"them as Python, reading parameter(s) {outside[:4]} there (e.g. a graph break "
+                "inside a loop over modules makes dynamo skip the loop's frame); a "
+                "parallelized model would compute them on placeholders, not on this rank's "
+                f"shards. Graph breaks seen: {reasons[:3]}. Remove them (TORCH_LOGS="
+                "graph_breaks shows where), or move them out of loops"
+            )
     if not graphs:
         raise CaptureError(
             f"dynamo produced no graph for {type(model).__name__}; is its forward empty "
