@@ -168,6 +168,13 @@ def capture(
         compiled = torch.compile(model, backend=record, dynamic=False)
         try:
             compiled(*example_inputs, **kwargs)
+            if not graphs:
+                # Dynamo marks a frame "run as Python" for good once it hit its recompile
+                # limit in an earlier compile of this process; clear that for the model's
+                # own forwards (nothing else of the process's caches) and trace again.
+                for code in {type(m).forward.__code__ for m in model.modules()}:
+                    torch._dynamo.eval_frame.remove_from_cache(code)
+                compiled(*example_inputs, **kwargs)
         except Exception as exc:  # the model's own error, re-raised with context
             inner = getattr(exc, "inner_exception", None)
             if isinstance(inner, BoostError):  # ours, from inside the recording backend
