@@ -49,7 +49,6 @@ class BottleneckTP(BoostPass):
             self.ctx.fixed,
         ).run()
         self.ctx.notes["btp"] = result
-        _save_collectives_in_regions(graph)
         fwd = sum(c.forward for c in result.collectives)
         bwd = sum(c.backward for c in result.collectives)
         log.info(
@@ -59,24 +58,3 @@ class BottleneckTP(BoostPass):
             bwd,
             len(result.fallbacks),
         )
-
-
-def _save_collectives_in_regions(graph: fx.Graph) -> None:
-    """A collective inserted inside a user's checkpoint region is saved, never recomputed.
-
-    The region's own ops carry ``recompute`` tags (``inline_regions``); the
-    nodes this pass inserted carry none. Tagging the communicating ones
-    ``MUST_SAVE`` (with the region's id) keeps the backward's recompute
-    shard-local, as without tensor parallelism it would have no collective.
-    """
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    from .checkpoint import is_communicating
-
-    for node in graph.nodes:
-        if "recompute" in node.meta or not is_communicating(node):
-            continue
-        tagged = [a for a in node.all_input_nodes if "ac_graph_id" in a.meta]
-        if tagged:
-            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
-            node.meta["ac_graph_id"] = tagged[0].meta["ac_graph_id"]
