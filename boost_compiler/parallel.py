@@ -283,6 +283,10 @@ SUBSTITUTED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
 )
 
 
+# The least recompile limit a parallelized forward's frames get (see _ShadowForward).
+SHADOW_RECOMPILE_LIMIT = 256
+
+
 class _ShadowForward:
     """The parallelized model's forward: the shadow, through the boost backend.
 
@@ -318,9 +322,27 @@ class _ShadowForward:
             return self.shadow(*args, **kwargs)
         seen: set[str] = set()
         token = SUBSTITUTED.set(seen)
+        cfg = torch._dynamo.config
         try:
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            # Raised limits, for both routes (our eager compile and the user's
+            # torch.compile): each frame of the shadow is compiled once per module
+            # instance, and one that passes the limit can only fail, never fall back.
+            with cfg.patch(
+                fail_on_recompile_limit_hit=True,
+                recompile_limit=max(cfg.recompile_limit, SHADOW_RECOMPILE_LIMIT),
+                accumulated_recompile_limit=max(
+                    cfg.accumulated_recompile_limit, 16 * SHADOW_RECOMPILE_LIMIT
+                ),
+            ):
                 out = self._enter(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+            raise UncompiledFrameError(
+                "a frame of the parallelized model passed dynamo's recompile limit "
+                f"({max(cfg.recompile_limit, SHADOW_RECOMPILE_LIMIT)}); run as Python it would compute on "
+                "placeholders, not on this rank's shards. Raise "
+                "torch._dynamo.config.recompile_limit, or reduce the frames dynamo must "
+                "compile (graph breaks inside a loop over modules: TORCH_LOGS=recompiles)"
+            ) from exc
         finally:
             SUBSTITUTED.reset(token)
         self._check_compiled(seen, frozenset(kwargs))
@@ -354,9 +376,8 @@ class _ShadowForward:
             # the shadow; the outer backend sees the placeholders and applies the rewrite.
             return self.shadow(*args, **kwargs)
         # Called eagerly: our own compile. Each new input shape recompiles (static
-        # shapes keep the rewrite simple), hence the higher limits.
-        with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
-            return self.eager(*args, **kwargs)
+        # shapes keep the rewrite simple), hence the higher limits set by __call__.
+        return self.eager(*args, **kwargs)
 
 
 torch._dynamo.eval_frame.skip_code(_ShadowForward.__call__.__code__)

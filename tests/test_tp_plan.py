@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -183,28 +184,40 @@ class _BreakingBlock(torch.nn.Module):
         return (x + h * self.scale).sum()
 
 
-def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders() -> None:
+def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A frame dynamo gives up on would run the shadow's NaN placeholders: it must raise.
 
-    A graph break splits the model into frames; with ``recompile_limit=1`` the
-    frames captured once by ``parallelize``'s analysis are at their limit when the
-    user's compile enters them. The parallelized model raises dynamo's own error;
-    the process-wide flag is untouched before, during setup and after (it is set
-    only while the parallelized forward runs), so a plain model past the same
-    limit still runs as dynamo's default says. Calling the shadow's compiled
-    entry without the forward's guard gives NaN, which is what the guard prevents.
+    A graph break splits the model into frames. The parallelized forward raises
+    the recompile limit to ``SHADOW_RECOMPILE_LIMIT`` for its frames (a user's
+    ``recompile_limit=1`` still runs it compiled); past even that (lowered here to
+    1), the frames captured once by ``parallelize``'s analysis are at their limit
+    when the user's compile enters them, and the forward raises
+    ``UncompiledFrameError``. The process-wide flag is untouched before, during
+    setup and after (it is set only while the parallelized forward runs), so a
+    plain model past the same limit still runs as dynamo's default says. Calling
+    the shadow's compiled entry without the forward's guard gives NaN, which is
+    what the guard prevents.
     """
+    from boost_compiler import parallel
+
     torch._dynamo.reset()
     x = torch.randn(2, 3, 16)
     previous = torch._dynamo.config.fail_on_recompile_limit_hit
+    reference = _BreakingBlock()
     try:
         with fake_process_group(2):
-            model = _BreakingBlock()
+            model = copy.deepcopy(reference)
             boost_compiler.parallelize(model, dist.group.WORLD, (x,))  # a plan across a break
             assert torch._dynamo.config.fail_on_recompile_limit_hit is previous  # no leak
             run = torch.compile(model, backend="boost", options={"lowering": "eager"})
             with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=False):
-                with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+                assert torch.isfinite(run(x))  # compiled, not placeholders (fake group: no values)
+                torch._dynamo.reset()
+                monkeypatch.setattr(parallel, "SHADOW_RECOMPILE_LIMIT", 1)
+                with pytest.raises(boost_compiler.UncompiledFrameError, match="recompile limit"):
+                    model(x)  # parallelize's own capture holds the frames' one entry
                     run(x)
                 assert torch._dynamo.config.fail_on_recompile_limit_hit is False
                 plain = torch.compile(

@@ -122,8 +122,8 @@ def run_program(
     except BoostError as exc:
         return {"outcome": NAMED, "stage": "forward", "error": _short(exc)}
     except Exception as exc:
-        return {"outcome": WRONG, "stage": "forward", "error": _short(exc),
-                "trace": traceback.format_exc()[-3000:]}  # fmt: skip
+        return _torch_rejects(spec, mode, dtype) or {"outcome": WRONG, "stage": "forward",
+                "error": _short(exc), "trace": traceback.format_exc()[-3000:]}  # fmt: skip
     errs: dict[str, float] = {}
     try:
         errs["<output>"] = _rel(out, out_ref) if out.dtype == out_ref.dtype else float("inf")
@@ -138,8 +138,8 @@ def run_program(
             ref = ref_grads[name]
             errs[name] = _rel(g, ref if ref is not None else torch.zeros_like(g))
     except Exception as exc:
-        return {"outcome": WRONG, "stage": "backward", "error": _short(exc),
-                "trace": traceback.format_exc()[-3000:]}  # fmt: skip
+        return _torch_rejects(spec, mode, dtype) or {"outcome": WRONG, "stage": "backward",
+                "error": _short(exc), "trace": traceback.format_exc()[-3000:]}  # fmt: skip
     # How far each quantity is over its tolerance: RTOL, or NOISE_MARGIN times what a
     # rounding-level perturbation of the single-device program does to it (an
     # ill-conditioned output, e.g. the sum over the hidden dim of a LayerNorm's output).
@@ -153,6 +153,32 @@ def run_program(
     bad = sorted(k for k, v in errs.items() if v > tol[k])
     return {"outcome": WRONG, "stage": "numbers", "error": f"max rel err {errs[worst]:.3g} at "
             f"{worst}; off: {', '.join(bad[:6])}", **report}  # fmt: skip
+
+
+def _torch_rejects(spec: dict[str, Any], mode: str, dtype: str) -> dict[str, Any] | None:
+    """INVALID when plain ``torch.compile`` of the single-device program fails too.
+
+    Asked only after the parallelized compiled run failed: a program torch's own
+    compiler cannot run on one device (e.g. Inductor's backward over an in-place
+    activation after a graph break) says nothing about the rewrite.
+    """
+    from tests.fuzz.grammar import build, loss_weights
+
+    if mode == "eager":
+        return None
+    model, inputs = build(spec)
+    if dtype == "float64":
+        model = model.double()
+        inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="inductor" if mode == "inductor" else "aot_eager")
+    try:
+        out = compiled(*(x.clone() for x in inputs))
+        (out * loss_weights(spec, out)).sum().backward()
+    except Exception as exc:
+        return {"outcome": INVALID, "stage": "reference",
+                "error": "plain torch.compile on one device fails too: " + _short(exc)}  # fmt: skip
+    return None
 
 
 def _rounding_noise(
