@@ -20,8 +20,9 @@ Example::
 
 from __future__ import annotations
 
+from .analysis.bottlenecks import Bottleneck, detect
+from .analysis.report import bottleneck_table
 from .backend import boost_backend
-from .capture import CapturedGraph, capture
 from .convert import (
     ConversionError,
     ConversionReport,
@@ -32,7 +33,6 @@ from .convert import (
     UnsupportedModuleError,
     to_low_rank,
 )
-from .detect import Bottleneck, detect
 from .errors import (
     AlreadyParallelizedError,
     BoostError,
@@ -46,12 +46,12 @@ from .errors import (
     UnknownOptionError,
 )
 from .explain import Report, explain
+from .ir.capture import CapturedGraph, capture
 from .options import BoostOptions
-from .parallel import parallelize
-from .placement import Placement
-from .plan import TPPlan
-from .report import bottleneck_table
-from .state_dict import StateDictError, gather_state_dict, load_state_dict, reset_parameters
+from .tp.parallel import parallelize
+from .tp.placement import Placement
+from .tp.plan import TPPlan
+from .tp.state_dict import StateDictError, gather_state_dict, load_state_dict, reset_parameters
 
 __version__ = "0.1.0"
 

@@ -23,13 +23,13 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ._logging import get_logger
-from .capture import placeholder_names
 from .errors import OptionTypeError, ShardingError
-from .graph_dump import GraphDumper
+from .ir.capture import placeholder_names
+from .ir.dump import GraphDumper
 from .options import BoostOptions
-from .parallel import SUBSTITUTED, current_local
 from .passes import PIPELINE, BoostPass, PassContext
 from .passes.base import _digest
+from .tp.parallel import SUBSTITUTED, current_local
 
 log = get_logger(__name__)
 

@@ -60,7 +60,7 @@ from ._logging import get_logger
 from .errors import BoostError, ShardingError
 
 if TYPE_CHECKING:
-    from .plan import TPPlan
+    from .tp.plan import TPPlan
 
 log = get_logger(__name__)
 
@@ -432,7 +432,7 @@ def step_bytes(
 
 @dataclass(frozen=True)
 class PlanComm:
-    """Bytes and collectives of a :class:`~boost_compiler.plan.TPPlan`, per step."""
+    """Bytes and collectives of a :class:`~boost_compiler.tp.plan.TPPlan`, per step."""
 
     forward_bytes: int
     backward_bytes: int

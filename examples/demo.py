@@ -22,8 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import boost_compiler
-from boost_compiler.data import VOCAB_SIZE, random_batches, stdlib_corpus
 from boost_compiler.models.cola_llama import build
+from boost_compiler.models.corpus import VOCAB_SIZE, random_batches, stdlib_corpus
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -20,8 +20,8 @@ from rich.table import Table
 from torch.distributed.device_mesh import init_device_mesh
 
 import boost_compiler
-from boost_compiler.data import VOCAB_SIZE, random_batches, stdlib_corpus
 from boost_compiler.models.cola_llama import build
+from boost_compiler.models.corpus import VOCAB_SIZE, random_batches, stdlib_corpus
 
 
 def main() -> int:

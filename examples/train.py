@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from boost_compiler.train.command import TRAIN
+from boost_compiler.cli.train import TRAIN
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.multiprocessing as mp
 
-from boost_compiler import collectives as C
+from boost_compiler.tp import collectives as C
 
 WORLD = 2
 SHAPE = (4, 6)

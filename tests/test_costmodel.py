@@ -16,7 +16,7 @@ import torch.distributed as dist
 import boost_compiler
 from boost_compiler import costmodel as cm
 from boost_compiler.cli import main
-from boost_compiler.collectives import fake_process_group
+from boost_compiler.tp.collectives import fake_process_group
 from examples.cola_llama import build, example_inputs
 
 from .conftest import ROOT

@@ -19,12 +19,12 @@ import torch.distributed as dist
 from rich.console import Console
 
 import boost_compiler
-from boost_compiler.collectives import fake_process_group
 from boost_compiler.explain import Report, explain
 from boost_compiler.explain.draw import dot_available, payload_text
-from boost_compiler.graph_dump import GraphDumper
+from boost_compiler.ir.dump import GraphDumper
 from boost_compiler.options import BoostOptions
 from boost_compiler.passes import PIPELINE
+from boost_compiler.tp.collectives import fake_process_group
 from examples.factories import cola_llama, cola_llama_tiny
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -154,10 +154,10 @@ def test_hf_llama_runs_boost_collectives(two: dict) -> None:
 
 def _propagate(model: nn.Module, *inputs: torch.Tensor):
     """Capture one graph and run the sharding propagation for rank 0 of 2."""
-    from boost_compiler.capture import capture
-    from boost_compiler.collectives import fake_process_group
-    from boost_compiler.detect import find_bottlenecks
-    from boost_compiler.sharding import ShardingPropagator
+    from boost_compiler.analysis.bottlenecks import find_bottlenecks
+    from boost_compiler.ir.capture import capture
+    from boost_compiler.tp.collectives import fake_process_group
+    from boost_compiler.tp.propagate import ShardingPropagator
 
     [g] = capture(model, inputs)
     with fake_process_group(2) as group:
@@ -222,7 +222,7 @@ class WrittenNorm(nn.Module):
 
 
 def test_written_rms_norm_becomes_one_sharded_norm() -> None:
-    from boost_compiler import tp_ops
+    from boost_compiler.tp import kernels as tp_ops
 
     ids = torch.randint(0, 40, (2, 5))
     gm, result = _propagate(WrittenNorm(), ids)

@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 _SCRIPT = r"""
 import json, torch, torch.distributed as dist
 import boost_compiler
-from boost_compiler.collectives import fake_process_group
+from boost_compiler.tp.collectives import fake_process_group
 from examples.cola_llama import build, example_inputs
 
 with fake_process_group(2):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import boost_compiler
-from boost_compiler.collectives import fake_process_group
+from boost_compiler.tp.collectives import fake_process_group
 from examples.cola_llama import build, example_inputs
 from tests.tp_harness import ops_run
 
@@ -200,7 +200,7 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
     the shadow's compiled entry without the forward's guard gives NaN, which is
     what the guard prevents.
     """
-    from boost_compiler import parallel
+    from boost_compiler.tp import parallel
 
     torch._dynamo.reset()
     x = torch.randn(2, 3, 16)

@@ -33,12 +33,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import collectives as C
 from .._logging import get_logger
-from ..detect import Bottleneck
-from ..graph_ops import op_name, value_of
-from ..placement import Placement
-from ..sharding import Collective
+from ..analysis.bottlenecks import Bottleneck
+from ..ir.ops import op_name, value_of
+from ..tp import collectives as C
+from ..tp.placement import Placement
+from ..tp.propagate import Collective
 
 log = get_logger(__name__)
 

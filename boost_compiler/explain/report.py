@@ -13,10 +13,10 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from ..detect import Bottleneck
-from ..placement import Placement, R
-from ..plan import TPPlan
-from ..sharding import Collective
+from ..analysis.bottlenecks import Bottleneck
+from ..tp.placement import Placement, R
+from ..tp.plan import TPPlan
+from ..tp.propagate import Collective
 from . import draw
 
 

@@ -14,18 +14,18 @@ import torch.fx as fx
 from torch import nn
 
 from .._logging import get_logger
-from ..capture import capture
+from ..analysis.bottlenecks import Bottleneck
 from ..costmodel import LlamaDims, cost, plan_comm
-from ..detect import Bottleneck
 from ..errors import BoostError
-from ..graph_dump import GraphDumper
-from ..graph_ops import value_of
+from ..ir.capture import capture
+from ..ir.dump import GraphDumper
+from ..ir.ops import value_of
 from ..options import BoostOptions
-from ..parallel import TPGroup, resolve_group
 from ..passes import PIPELINE, PassContext
-from ..placement import R
-from ..plan import TPPlan
-from ..sharding import Collective, ShardingPropagator
+from ..tp.parallel import TPGroup, resolve_group
+from ..tp.placement import R
+from ..tp.plan import TPPlan
+from ..tp.propagate import Collective, ShardingPropagator
 from . import draw
 from .report import CollectiveRow, CostRow, Report, Stage
 
@@ -37,7 +37,7 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 def simulated_group(tp: int) -> Iterator[TPGroup]:
     """A ``tp``-rank group in this process: torch's fake process group, or (when a real
     default group exists already) a named stand-in; the passes only read name/size/rank."""
-    from ..collectives import fake_process_group
+    from ..tp.collectives import fake_process_group
 
     if dist.is_available() and dist.is_initialized():
         log.info("explain: a process group exists; simulating tp=%d by name only", tp)

@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .. import collectives as C
-from ..graph_ops import value_of
-from ..sharding import Collective, ShardingResult
+from ..ir.ops import value_of
+from ..tp import collectives as C
+from ..tp.propagate import Collective, ShardingResult
 from .base import PassContext
 
 LINEAR = (F.linear,)

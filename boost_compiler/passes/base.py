@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from ..detect import Bottleneck
+from ..analysis.bottlenecks import Bottleneck
 
 
 @dataclass

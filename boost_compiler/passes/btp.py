@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .._logging import get_logger
-from ..sharding import ShardingPropagator
+from ..tp.propagate import ShardingPropagator
 from .base import BoostPass
 
 log = get_logger(__name__)
@@ -26,11 +26,11 @@ class BottleneckTP(BoostPass):
     name = "btp"
     # The rewritten graph calls into these by name: their code is part of the result.
     depends_on = (
-        "boost_compiler.sharding",
-        "boost_compiler.sharding_rules",
-        "boost_compiler.sharding_vocab",
-        "boost_compiler.tp_ops",
-        "boost_compiler.collectives",
+        "boost_compiler.tp.propagate",
+        "boost_compiler.tp.rules.core",
+        "boost_compiler.tp.rules.vocab",
+        "boost_compiler.tp.kernels",
+        "boost_compiler.tp.collectives",
     )
 
     def run(self, graph: fx.Graph) -> None:

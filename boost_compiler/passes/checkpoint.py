@@ -36,9 +36,9 @@ from typing import Any
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .. import collectives as C
-from .. import tp_ops
 from .._logging import get_logger
+from ..tp import collectives as C
+from ..tp import kernels as tp_ops
 from .base import BoostPass
 
 log = get_logger(__name__)
@@ -56,7 +56,7 @@ class Checkpoint(BoostPass):
     name = "checkpoint"
     default = False
     allowed = ("lowrank", "full")
-    depends_on = ("boost_compiler.tp_ops", "boost_compiler.collectives")
+    depends_on = ("boost_compiler.tp.kernels", "boost_compiler.tp.collectives")
 
     def run(self, graph: fx.Graph) -> None:
         mode = "lowrank" if self.setting is True else self.setting

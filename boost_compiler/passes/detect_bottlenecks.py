@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .._logging import get_logger
-from ..detect import find_bottlenecks
+from ..analysis.bottlenecks import find_bottlenecks
 from .base import BoostPass
 
 log = get_logger(__name__)

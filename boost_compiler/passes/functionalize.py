@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import MutationError
-from ..graph_ops import shape_of, value_of
+from ..ir.ops import shape_of, value_of
 from .base import BoostPass
 
 _INPLACE_OPERATOR = {
@@ -63,7 +63,7 @@ _IDENTITY_VIEWS = {"contiguous", "to", "float", "half", "bfloat16", "double", "t
 
 class Functionalize(BoostPass):
     name = "functionalize"
-    depends_on = ("boost_compiler.graph_ops",)
+    depends_on = ("boost_compiler.ir.ops",)
 
     def run(self, graph: fx.Graph) -> None:
         tp = self.ctx.tp is not None

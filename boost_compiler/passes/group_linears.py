@@ -11,7 +11,7 @@ merged) changes.
 * The up factors of those siblings read their replicated inputs through ONE
   ``copy_to_tp`` of the concatenated latents, so the backward all-reduces of
   ``dL/dh`` merge the same way. Up factors whose weights have one shape run
-  as one ``bmm`` on stacked weights (:func:`boost_compiler.tp_ops.batched_linear`).
+  as one ``bmm`` on stacked weights (:func:`boost_compiler.tp.kernels.batched_linear`).
 
 What Inductor already does: its ``batch_linear``/``batch_linear_lhs`` pre-grad
 fusions (TORCH_NOTES) batch same-shape linears, including ones sharing an
@@ -29,11 +29,11 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from .. import collectives as C
-from .. import tp_ops
 from .._logging import get_logger
-from ..graph_ops import value_of
-from ..sharding import Collective
+from ..ir.ops import value_of
+from ..tp import collectives as C
+from ..tp import kernels as tp_ops
+from ..tp.propagate import Collective
 from ._rewrite import (
     LINEAR,
     MATMUL,
@@ -53,7 +53,7 @@ log = get_logger(__name__)
 
 class GroupLinears(BoostPass):
     name = "group_linears"
-    depends_on = ("boost_compiler.passes._rewrite", "boost_compiler.tp_ops")
+    depends_on = ("boost_compiler.passes._rewrite", "boost_compiler.tp.kernels")
 
     def run(self, graph: fx.Graph) -> None:
         gm = graph.owning_module

@@ -50,7 +50,7 @@ from torch import nn
 
 from .._logging import get_logger
 from ..errors import BoostError
-from ..placement import Placement, R
+from ..tp.placement import Placement, R
 
 log = get_logger(__name__)
 

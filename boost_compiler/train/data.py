@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import stdlib_corpus_bytes
+from ..models.corpus import stdlib_corpus_bytes
 from .config import TrainConfigError
 
 

@@ -19,8 +19,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ._logging import get_logger
-from .errors import BoostError, CaptureError, MutationError, UncompiledFrameError
+from .._logging import get_logger
+from ..errors import BoostError, CaptureError, MutationError, UncompiledFrameError
 
 log = get_logger(__name__)
 
@@ -126,7 +126,7 @@ def capture(
     :class:`UncompiledFrameError`: a parallelized model would run that code on
     placeholders.
     """
-    from .passes.functionalize import describe_write, written_inputs
+    from ..passes.functionalize import describe_write, written_inputs
 
     graphs: list[CapturedGraph] = []
 

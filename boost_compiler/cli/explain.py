@@ -11,9 +11,9 @@ import argparse
 
 from rich.console import Console
 
-from ..cli import Command
+from ..explain.run import explain
 from ..models.factories import load_factory, resolve
-from .run import explain
+from . import Command
 
 __all__ = ["EXPLAIN", "load_factory"]
 

@@ -22,9 +22,9 @@ import networkx as nx
 import torch.fx as fx
 from torch import nn
 
-from ._logging import get_logger
-from .capture import CapturedGraph, capture
-from .graph_ops import Contraction, as_contraction, is_elementwise_on_last_dim, last_dim, op_name
+from .._logging import get_logger
+from ..ir.capture import CapturedGraph, capture
+from ..ir.ops import Contraction, as_contraction, is_elementwise_on_last_dim, last_dim, op_name
 
 log = get_logger(__name__)
 
@@ -138,7 +138,7 @@ def detect_in(graphs: Sequence[CapturedGraph]) -> list[Bottleneck]:
     """Bottlenecks over several captured graphs, deduplicated by factor names."""
     seen: set[tuple[str, str]] = set()
     out: list[Bottleneck] = []
-    from .passes import FRONT, PassContext
+    from ..passes import FRONT, PassContext
 
     for g in graphs:
         for cls in FRONT:  # in-place ops made functional: readers see what they read

@@ -1,110 +1,23 @@
-"""The ``boost`` command line: ``boost <command> [options]``.
-
-Commands live in :data:`COMMANDS`, name -> :class:`CommandSpec` (a one-line
-help and the ``"module:attribute"`` of a :class:`Command`). Only the command
-being run is imported and given its arguments, so a slow or broken command
-module cannot slow down or break the others. To add one (``explain``,
-``bench``, ``train``, ``export``), write a module with a ``Command`` object and
-add one line to :data:`COMMANDS`; nothing else here changes.
-
-A command's ``run`` returns the exit status; a :class:`~boost_compiler.errors.BoostError`
-it raises is printed as ``boost <command>: error: ...`` with exit status 2.
-"""
+"""``boost cost``: the cost model's per-layer communication, GEMM intensity and estimate."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import sys
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from .errors import BoostError
+from . import Command
 
 if TYPE_CHECKING:  # the cost model is imported when `cost` runs
-    from .costmodel import CostReport, Gemm
-
-PROG = "boost"
-
-
-@dataclass(frozen=True)
-class Command:
-    """One subcommand: how to add its arguments and how to run it."""
-
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-    description: str = ""
-
-
-@dataclass(frozen=True)
-class CommandSpec:
-    target: str  # "package.module:attribute" of a Command
-    help: str
-
-
-COMMANDS: dict[str, CommandSpec] = {
-    "cost": CommandSpec(
-        "boost_compiler.cli:COST",
-        "per-layer TP communication, GEMM intensity and alpha-beta estimate (cost model)",
-    ),
-    "explain": CommandSpec(
-        "boost_compiler.explain.command:EXPLAIN",
-        "what boost finds and what each pass does, on a simulated TP group; writes report.html",
-    ),
-    "bench": CommandSpec("boost_compiler.bench_cli:BENCH", "measured: boost vs DTensor TP"),
-    "train": CommandSpec(
-        "boost_compiler.train.command:TRAIN", "pre-train CoLA-LLaMA: DP x BTP, DCP checkpoints"
-    ),
-    "export": CommandSpec(
-        "boost_compiler.train.command:EXPORT", "training checkpoint -> single-device safetensors"
-    ),
-}
-
-
-def load_command(name: str) -> Command:
-    module, _, attr = COMMANDS[name].target.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
-    """The parser; only ``selected``'s module is imported for its arguments."""
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="boost-compiler: tensor parallelism for low-rank LLMs"
-    )
-    sub = parser.add_subparsers(dest="command", metavar="command", required=True)
-    for name, spec in COMMANDS.items():
-        if name == selected:
-            cmd = load_command(name)
-            p = sub.add_parser(name, help=spec.help, description=cmd.description or spec.help)
-            cmd.add_arguments(p)
-            p.set_defaults(_run=cmd.run)
-        else:
-            sub.add_parser(name, help=spec.help, add_help=False)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    selected = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(selected if selected in COMMANDS else None)
-    args = parser.parse_args(argv)
-    try:
-        return int(args._run(args) or 0)
-    except BoostError as err:
-        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
-        return 2
-
-
-# -- boost cost ---------------------------------------------------------------
+    from ..costmodel import CostReport, Gemm
 
 
 def _cost_arguments(p: argparse.ArgumentParser) -> None:
-    from .costmodel import CONFIGS, DTYPE_BYTES, Link
+    from ..costmodel import CONFIGS, DTYPE_BYTES, Link
 
     p.add_argument("--config", default="7b", help=f"model size: {', '.join(CONFIGS)}")
     p.add_argument("--tp", type=int, default=4, help="tensor-parallel degree p")
@@ -137,7 +50,7 @@ def _cost_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cost_run(args: argparse.Namespace) -> int:
-    from .costmodel import Link, cost, get_config
+    from ..costmodel import Link, cost, get_config
 
     dims = get_config(args.config)
     overrides = {
@@ -159,7 +72,7 @@ def _cost_run(args: argparse.Namespace) -> int:
 
 def cost_json(report: CostReport, ridge: float) -> dict[str, Any]:
     """The report as plain JSON; ``per_layer.forward.btp_mib`` etc. use BOOST's convention."""
-    from .costmodel import DTYPE_BYTES, MIB, ratios
+    from ..costmodel import DTYPE_BYTES, MIB, ratios
 
     out: dict[str, Any] = {
         "config": {**asdict(report.dims), "n_kv_heads": report.dims.kv_heads},
@@ -196,7 +109,7 @@ def cost_json(report: CostReport, ridge: float) -> dict[str, Any]:
 
 
 def _comm_table(report: CostReport) -> Table:
-    from .costmodel import ratios
+    from ..costmodel import ratios
 
     d = report.dims
     t = Table(
@@ -284,6 +197,3 @@ COST = Command(
     "counts) of dense TP, standard low-rank TP, BTP and BOOST; GEMM arithmetic intensity; "
     "an alpha-beta time estimate. Symbolic formulas: boost_compiler/costmodel.py.",
 )
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,12 +21,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from . import tp_ops
-from .graph_ops import Contraction, shape_of, value_of
-from .placement import R, S
+from ...ir.ops import Contraction, shape_of, value_of
+from .. import kernels as tp_ops
+from ..placement import R, S
 
 if TYPE_CHECKING:
-    from .sharding import ShardingPropagator as _Host
+    from ..propagate import ShardingPropagator as _Host
 else:
     _Host = object
 
@@ -38,7 +38,7 @@ _BALANCE = {"cuda": 2000.0, "cpu": 25.0}
 
 
 class VocabRules(_Host):
-    """Mixed into the propagator next to :class:`~boost_compiler.sharding_rules.OpRules`."""
+    """Mixed into the propagator next to :class:`~boost_compiler.tp.rules.core.OpRules`."""
 
     def _vocab_parallel_head(self, node: fx.Node, c: Contraction) -> bool:
         """Split a dense head on its output (vocabulary) dim if its logits reach a loss.

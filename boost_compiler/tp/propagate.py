@@ -1,7 +1,7 @@
 """Sharding propagation: decide every value's placement and rewrite to local shapes.
 
 One forward walk over a dynamo graph (global shapes, fake tensors). Each node
-gets a :class:`~boost_compiler.placement.Placement`; a node's rule may convert
+gets a :class:`~boost_compiler.tp.placement.Placement`; a node's rule may convert
 its inputs first (all-gather a shard, all-reduce a partial, slice a
 replicated value) and rewrites size arguments from global to local. Four
 conversions are enough, and each has the backward that keeps gradients exact
@@ -16,7 +16,7 @@ differs per rank receives only a partial gradient on each rank, so ``f`` sums
 it in the backward. Graph outputs are always made replicated, so what leaves a
 graph (and crosses a graph break) is the global tensor.
 
-The per-op rules live in :mod:`~boost_compiler.sharding_rules` (a mixin of
+The per-op rules live in :mod:`~boost_compiler.tp.rules.core` (a mixin of
 this class); this module holds the walk, the parameter decisions and the
 conversions the rules call.
 """
@@ -29,15 +29,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .._logging import get_logger
+from ..analysis.bottlenecks import Bottleneck
+from ..errors import MutationError, ShardingError
+from ..ir.ops import shape_of, value_of
+from ..passes.functionalize import is_mutation
 from . import collectives as C
-from ._logging import get_logger
-from .detect import Bottleneck
-from .errors import MutationError, ShardingError
-from .graph_ops import shape_of, value_of
-from .passes.functionalize import is_mutation
 from .placement import P, Placement, R, S, unblock
-from .sharding_rules import _BLOCK_READERS, OpRules, _describe, _requires_grad
-from .sharding_vocab import VocabRules
+from .rules.core import _BLOCK_READERS, OpRules, _describe, _requires_grad
+from .rules.vocab import VocabRules
 
 log = get_logger(__name__)
 

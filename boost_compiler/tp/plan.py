@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from rich.console import Group
 from rich.table import Table
 
-from .detect import Bottleneck
+from ..analysis.bottlenecks import Bottleneck
 from .placement import Placement
-from .sharding import Collective
+from .propagate import Collective
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Per-op sharding rules of :class:`~boost_compiler.sharding.ShardingPropagator`.
+"""Per-op sharding rules of :class:`~boost_compiler.tp.propagate.ShardingPropagator`.
 
 A rule receives one dynamo-graph node whose inputs already have placements,
 decides the node's placement from the op's semantics and the fake-tensor
@@ -10,7 +10,7 @@ never guessed at.
 
 The rules are a mixin so that the propagator's walk and conversions
 (``placement``, ``to_replicate``, ``to_shard``, ``set``, ``_decide``...) stay in
-:mod:`~boost_compiler.sharding`, readable on their own.
+:mod:`~boost_compiler.tp.propagate`, readable on their own.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from . import tp_ops
-from .errors import ShardingError
-from .graph_ops import as_contraction, shape_of, value_of
-from .placement import P, Placement, R, S, shard_through_view
+from ...errors import ShardingError
+from ...ir.ops import as_contraction, shape_of, value_of
+from .. import kernels as tp_ops
+from ..placement import P, Placement, R, S, shard_through_view
 
 if TYPE_CHECKING:
-    from .sharding import ShardingResult
+    from ..propagate import ShardingResult
 
 _ELEMENTWISE_FN = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
@@ -50,7 +50,7 @@ _VIEW_METHOD = {"view", "reshape", "flatten"}
 
 
 class OpRules:
-    """The op rules; mixed into :class:`~boost_compiler.sharding.ShardingPropagator`."""
+    """The op rules; mixed into :class:`~boost_compiler.tp.propagate.ShardingPropagator`."""
 
     if TYPE_CHECKING:  # provided by ShardingPropagator
         graph: fx.Graph

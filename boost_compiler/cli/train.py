@@ -13,12 +13,12 @@ import os
 
 from rich.console import Console
 
-from ..cli import Command
-from .config import add_arguments, from_args
+from ..train.config import add_arguments, from_args
+from . import Command
 
 
 def _train_run(args: argparse.Namespace) -> int:
-    from .loop import configure_logging, train
+    from ..train.loop import configure_logging, train
 
     configure_logging()
     result = train(from_args(args))
@@ -39,7 +39,7 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _export_run(args: argparse.Namespace) -> int:
-    from .checkpoint import export
+    from ..train.checkpoint import export
 
     info = export(args.checkpoint, args.out)
     Console().print(

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import BoostError
 from .collectives import _raw_all_gather
-from .errors import BoostError
 from .placement import Placement, R
 
-log = logging.getLogger("boost_compiler.state_dict")
+log = logging.getLogger("boost_compiler.tp.state_dict")
 
 __all__ = ["StateDictError", "gather_state_dict", "load_state_dict", "reset_parameters"]
 

@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._logging import get_logger
-from .capture import capture
+from .._logging import get_logger
+from ..analysis.bottlenecks import find_bottlenecks
+from ..errors import AlreadyParallelizedError, MeshError, UncompiledFrameError
+from ..ir.capture import capture
+from ..options import BoostOptions
+from ..passes import FRONT, TP_PASSES, PassContext
 from .collectives import group_name_of
-from .detect import find_bottlenecks
-from .errors import AlreadyParallelizedError, MeshError, UncompiledFrameError
-from .options import BoostOptions
-from .passes import FRONT, TP_PASSES, PassContext
 from .placement import Placement, R
 from .plan import TPPlan
 
@@ -71,7 +71,7 @@ def synchronise_rng(group: TPGroup) -> None:
     Why: the ranks then draw the same numbers in the same order, so dropout on
     a replicated (r-dim) tensor produces one mask everywhere and the replicas
     stay bit-identical; shards take their slice of a global mask
-    (:func:`~boost_compiler.tp_ops.sharded_dropout`). Megatron's tensor-parallel
+    (:func:`~boost_compiler.tp.kernels.sharded_dropout`). Megatron's tensor-parallel
     ranks share their default generator's seed for the same reason.
     """
     pg = dist.distributed_c10d._resolve_process_group(group.name)
@@ -307,7 +307,7 @@ class _ShadowForward:
     """
 
     def __init__(self, shadow: nn.Module, options: dict[str, Any]) -> None:
-        from .backend import boost_backend
+        from ..backend import boost_backend
 
         self.shadow = shadow
         backend = functools.partial(boost_backend, options={**options, "lowering": "eager"})

@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch._logging import trace_structured
 from torch._logging._internal import trace_log
 
-from ._logging import get_logger
+from .._logging import get_logger
 
 log = get_logger(__name__)
 ENV_VAR = "BOOST_DUMP_DIR"
@@ -81,7 +81,7 @@ class GraphDumper:
             self._draw(slug, stage, gm, ctx)
 
     def _draw(self, slug: str, stage: str, gm: fx.GraphModule, ctx: object) -> None:
-        from .explain import draw
+        from ..explain import draw
 
         assert self.dir is not None
         params = dict(getattr(ctx, "param_names", None) or {})

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from rich.table import Table
 
-from .detect import Bottleneck
+from .bottlenecks import Bottleneck
 
 
 def bottleneck_table(bottlenecks: Sequence[Bottleneck], title: str = "Bottlenecks") -> Table:

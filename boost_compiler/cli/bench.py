@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from .cli import Command
-from .errors import BoostError
+from ..errors import BoostError
+from . import Command
 
 
 class BenchError(BoostError):
@@ -20,13 +20,13 @@ class BenchError(BoostError):
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    from .bench import suite
+    from ..bench import suite
 
     suite.add_arguments(p)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .bench import suite
+    from ..bench import suite
 
     try:
         return suite.run(args)
