@@ -140,3 +140,38 @@ def test_compile_in_turns_takes_every_barrier_when_the_compile_raises(
         with pytest.raises(Restart):
             _in_turns(resolve_group(dist.group.WORLD), compile_)
     assert len(barriers) == 2
+
+
+class _WriteAcrossBreak(nn.Module):
+    """``y = silu_(h)`` in one frame, ``y += h`` (y *is* h) in the next, then ``h + y``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def inner(self, h: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return nn.functional.silu(h, inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        y = self.inner(h)
+        y += h
+        return h + y
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_output_of_an_inplace_op_still_aliases_the_written_input(lowering: str) -> None:
+    """One device: the functionalized graph returns the written input itself, not a copy.
+
+    Without that, ``y`` and ``h`` stop being one tensor after the graph break and the
+    result is ``h + 2*silu(h)`` instead of ``4*silu(h)`` (the fuzzer's run 2027, #454).
+    """
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _WriteAcrossBreak(), torch.randn(2, 8)
+    ref = model(x)
+    options = {"lowering": "eager"} if lowering == "eager" else {}
+    out = torch.compile(model, backend="boost", options=options)(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()

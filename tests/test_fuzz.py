@@ -112,6 +112,13 @@ REGRESSIONS: list[tuple[str, dict[str, Any], str, str | None]] = [
     ("graph_break_in_loop_named",
      _spec([{"kind": "gb"}, {"kind": "dense", "bias": False}], d=16, s=4, seed=504,
            out={"how": "mean_seq"}), "eager", NAMED),
+    # F.silu(h, inplace=True) returned across a graph break, then `y += h` with y is h:
+    # functionalize returned the fresh value instead of the written input, so h and y
+    # stopped aliasing and the outer residual read h undoubled (fuzz run 2027, #454)
+    ("inplace_output_keeps_aliasing_across_graph_break",
+     _spec([{"kind": "res", "style": "add", "body": [{"kind": "res", "style": "iadd", "body": [
+         {"kind": "gb"}, {"kind": "inplace", "fn": "silu_", "c": 2.0}]}, LR]}], s=8, seed=100),
+     "eager", EXACT),
     # the sum over the hidden dim of a LayerNorm output is ~0: only noise to compare
     # (a fuzzer false alarm before the rounding-noise allowance)
     ("sum_of_layernorm_is_noise",

@@ -132,8 +132,8 @@ class _Functionalizer:
         for node in list(self.graph.nodes):
             self.cursor = node
             if node.op == "output":
-                self._epilogue(node)
-                node.args = fx.node.map_arg(node.args, self.current)
+                written = self._epilogue(node)
+                node.args = fx.node.map_arg(node.args, lambda a, w=written: self._returned(a, w))
             elif node.op == "placeholder":
                 self._track(node, None)
             elif node.op in ("call_function", "call_method"):
@@ -476,17 +476,47 @@ class _Functionalizer:
                     "step": 1 if entry.step is None else entry.step}, like=node)  # fmt: skip
         return value
 
-    def _epilogue(self, output: fx.Node) -> None:
-        """Mutated graph inputs get their final value back: one ``copy_`` each."""
+    def _epilogue(self, output: fx.Node) -> dict[int, fx.Node]:
+        """Mutated graph inputs get their final value back: one ``copy_`` each.
+
+        Returns the ``copy_`` node of each written input's memory (by storage id).
+        """
         roots = {
             id(st): st for st in self.storage.values() if st.version and st.root in self.input_of
         }
-        for st in roots.values():
+        copies: dict[int, fx.Node] = {}
+        for key, st in roots.items():
             target = self.input_of[st.root]
             with self.graph.inserting_before(output):
                 copy = self.graph.call_method("copy_", (target, st.base))
             copy.meta["example_value"] = value_of(target)
             copy.meta["boost_input_write"] = True
+            copies[key] = copy
+        return copies
+
+    def _returned(self, arg: Any, copies: dict[int, fx.Node]) -> Any:
+        """What the graph returns for ``arg``: its current value, and its aliasing.
+
+        An output that is (a view of) a written input must still be that input's
+        memory: the caller's code after the graph (the rest of a frame split by a
+        graph break) may write through one name and read through the other, e.g.
+        ``y = F.silu(h, inplace=True)`` returned, then ``y += h`` doubles ``h``
+        too. So it is the input after its ``copy_``, with the views replayed on it,
+        never the fresh value the rewrite computed.
+        """
+        if not isinstance(arg, fx.Node) or arg not in self.storage:
+            return self.current(arg)
+        node = self.same.get(arg, arg)
+        st = self.storage[node]
+        if st.root not in self.input_of:
+            return self.current(arg)
+        chain = [node]
+        while chain[-1] is not st.root:
+            chain.append(self.parent[chain[-1]])
+        value = copies.get(id(st), self.input_of[st.root])
+        for view in reversed(chain[:-1]):
+            value = self._replay(view, value)
+        return value
 
 
 # -- what a node is ---------------------------------------------------------
