@@ -44,3 +44,15 @@ class AlreadyParallelizedError(BoostError, RuntimeError):
 
 class UncompiledFrameError(BoostError, RuntimeError):
     """A part of a parallelized model ran as plain Python, outside the compiled graphs."""
+
+
+class CheckpointError(BoostError):
+    """No usable checkpoint, or one that does not fit the model (names what)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is missing, truncated or differs from its manifest (names the file)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint's metadata names something that could run code when loaded."""

@@ -395,7 +395,7 @@ def test_config_precedence_and_schedule(tmp_path: Path) -> None:
 
 
 def test_latest_skips_incomplete(tmp_path: Path) -> None:
-    for name, files in (("step_3", [".metadata", "train_state.json"]),
+    for name, files in (("step_3", [".metadata", "train_state.json", "manifest.json"]),
                         ("step_6.tmp", [".metadata", "train_state.json"]),
                         ("step_9", [".metadata"])):  # fmt: skip
         (tmp_path / name).mkdir()

@@ -49,17 +49,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from .._logging import get_logger
-from ..errors import BoostError
+from ..errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from ..tp.placement import Placement, R
+from . import integrity
 
 log = get_logger(__name__)
 
 STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(BoostError):
-    """No usable checkpoint, or one that does not fit the model (names what)."""
 
 
 @dataclass
@@ -250,7 +247,38 @@ def latest(root: str | Path) -> Path | None:
 
 
 def is_complete(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / STATE_FILE).is_file()
+    """All files of a finished save are there (whether they are intact is :func:`checked`)."""
+    names = (".metadata", STATE_FILE, integrity.MANIFEST)
+    return all((path / name).is_file() for name in names)
+
+
+def checked(path: Path) -> Any:
+    """The DCP metadata of ``path`` once every file matches its manifest (else an error
+    naming the file); unpickled with DCP's own classes only."""
+    integrity.verify(path)
+    return integrity.read_metadata(path)
+
+
+def latest_valid(root: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` that passes :func:`checked`, and why each newer
+    one was skipped (corrupted, unsafe); ``(None, reasons)`` if none passes."""
+    root = Path(root)
+    found = []
+    if root.is_dir():
+        for path in root.iterdir():
+            m = _STEP_DIR.match(path.name)
+            if m and is_complete(path):
+                found.append((int(m.group(1)), path))
+    skipped: list[str] = []
+    for _, path in sorted(found, reverse=True):
+        try:
+            checked(path)
+        except (CheckpointCorruptError, UnsafeCheckpointError) as exc:
+            log.warning("skipping checkpoint %s: %s", path, exc)
+            skipped.append(str(exc))
+            continue
+        return path, skipped
+    return None, skipped
 
 
 def _fsync_dir(path: Path) -> None:
@@ -298,6 +326,7 @@ def save(
             json.dump(state, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        integrity.write_manifest(tmp)  # last: a folder with a manifest is a finished save
         _fsync_dir(tmp)
         stale = root / f"step_{step}.stale"
         if final.exists():  # re-saving a step (a rerun without --resume): replace it
@@ -316,13 +345,20 @@ def read_state(path: str | Path) -> dict[str, Any]:
 
 
 def resolve(path: str | Path) -> Path:
-    """A step folder, or a run folder (-> its latest complete checkpoint)."""
+    """A step folder, or a run folder (-> its newest complete checkpoint that is intact)."""
     path = Path(path)
     if is_complete(path):
         return path
-    found = latest(path)
+    if (path / ".metadata").is_file():
+        missing = [n for n in (STATE_FILE, integrity.MANIFEST) if not (path / n).is_file()]
+        raise CheckpointCorruptError(
+            f"{path}: not a finished checkpoint ({', '.join(missing)} missing: the save was "
+            "interrupted, or the folder was not written by boost train)"
+        )
+    found, skipped = latest_valid(path)
     if found is None:
-        raise CheckpointError(f"no complete checkpoint (step_N with .metadata) under {path}")
+        why = f"; skipped: {'; '.join(skipped)}" if skipped else ""
+        raise CheckpointError(f"no complete, intact checkpoint (step_N) under {path}{why}")
     return found
 
 
@@ -332,6 +368,7 @@ def load(path: str | Path, layout: Layout, opt: torch.optim.Optimizer) -> dict[s
     Returns the ``train_state.json`` dict (step, data position, config). A collective.
     """
     path = resolve(path)
+    checked(path)
     state = read_state(path)
     init_optimizer_state(opt)
     saved_keys = set(state["keys"])
@@ -348,7 +385,7 @@ def load(path: str | Path, layout: Layout, opt: torch.optim.Optimizer) -> dict[s
     sd.update({f"model.{k}": torch.empty_like(b) for k, b in layout.buffers.items()})
     sd["optim.step"] = torch.tensor(0.0)
     sd["rng.cpu"] = torch.get_rng_state()
-    dcp.load(sd, checkpoint_id=path)
+    dcp.load(sd, storage_reader=integrity.SafeReader(str(path)))
     for key, entry, live in items:
         _assign(live, _block_of(sd[key], entry, layout), key)
     with torch.no_grad():
@@ -367,19 +404,18 @@ def load(path: str | Path, layout: Layout, opt: torch.optim.Optimizer) -> dict[s
 
 def single_device_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's single-device ``state_dict`` from a checkpoint, in one process, no ranks."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = resolve(path)
+    meta = checked(path).state_dict_metadata
     state = read_state(path)
-    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     sd: dict[str, torch.Tensor] = {}
     for key, md in meta.items():
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata):
             sd[key] = torch.empty(md.size, dtype=md.properties.dtype)
     with warnings.catch_warnings():  # "no process group: loading in one process" is the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        dcp.load(sd, checkpoint_id=path, no_dist=True)
+        dcp.load(sd, storage_reader=integrity.SafeReader(str(path)), no_dist=True)
     out: dict[str, torch.Tensor] = {}
     for key in state["keys"]:
         src = state["aliases"].get(key, key)

@@ -321,7 +321,10 @@ def _train(cfg: TrainConfig) -> TrainResult:
     rank = dist.get_rank()
     run = setup(cfg)
     result = TrainResult(model=run.model)
-    if cfg.resume and cfg.checkpoint_dir and (found := ckpt.latest(cfg.checkpoint_dir)):
+    found, skipped = (None, [])
+    if cfg.resume and cfg.checkpoint_dir:
+        found, skipped = ckpt.latest_valid(cfg.checkpoint_dir)
+    if found is not None:
         state = ckpt.load(found, run.layout, run.opt)
         _check_resume(run, state)
         result.start_step = int(state["step"])
@@ -333,7 +336,8 @@ def _train(cfg: TrainConfig) -> TrainResult:
     metrics.write({"event": "start", "step": result.start_step, "dp": run.dp, "tp": run.tp,
                    "fsdp": run.fsdp, "compile": cfg.compile, "world": dist.get_world_size(),
                    "tp_collective_bytes_per_step": run.tp_bytes,
-                   "dp_collective_bytes_per_step": run.dp_bytes})  # fmt: skip
+                   "dp_collective_bytes_per_step": run.dp_bytes,
+                   "skipped_checkpoints": skipped})  # fmt: skip
     tokens = cfg.batch * cfg.seq
     progress, task = _progress(rank == 0 and cfg.progress, cfg.steps, result.start_step)
     rates: list[float] = []
