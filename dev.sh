@@ -33,7 +33,7 @@ fi
 stamp="$VENV/.boost-installed"
 want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  pip_quiet -e ".[test,hf,train,bench]"
+  pip_quiet -e ".[test,hf,train,bench,draw]"
   "$PY" -c 'import boost_compiler' && echo "$want" > "$stamp"
 fi
 

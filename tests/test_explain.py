@@ -343,3 +343,26 @@ def test_40b_meta_under_two_minutes_and_five_megabytes(tmp_path: Path) -> None:
     seconds, bottlenecks, errors = done.stdout.split("SECONDS", 1)[1].split(maxsplit=2)
     assert float(seconds) < 120 and int(bottlenecks) == 48 * 7 and errors.strip() == "[]"
     assert (tmp_path / "report.html").stat().st_size < 5 * 2**20
+
+
+def test_drawings_without_a_system_graphviz(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dot`` hidden from PATH: the ``draw`` extra's graphviz-pure still draws every stage."""
+    import shutil
+
+    from boost_compiler.explain import draw
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert shutil.which("dot") is None
+    assert draw.dot_program() is not None, "install the draw extra: pip install -e '.[draw]'"
+    model, inputs, kwargs = cola_llama("tiny", device="meta")
+    report = explain(model, inputs, tp=2, out_dir=tmp_path / "out", example_kwargs=kwargs)
+    assert report.dot
+    svgs = sorted((tmp_path / "out").glob("*.svg"))
+    assert len(svgs) == 2 * len(report.stages)
+    for svg in svgs:
+        assert ET.parse(svg).getroot().tag == f"{SVG}svg"
+    assert any('class="node collective"' in svg.read_text() for svg in svgs)
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert all(svg.name in html for svg in svgs)

@@ -24,6 +24,7 @@ import math
 import re
 import shutil
 import subprocess
+import sysconfig
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -596,8 +597,23 @@ def _between(down: fx.Node, up: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
 # -- rendering -------------------------------------------------------------------
 
 
+def dot_program() -> str | None:
+    """The Graphviz ``dot`` to run: the system's, else the one the ``draw`` extra installs.
+
+    ``pip install boost-compiler[draw]`` brings ``graphviz-pure`` (Graphviz's layout
+    engine as one static executable in a wheel), so a user with no system package
+    still gets the drawings. It is looked for beside this interpreter too, since a
+    virtual environment's scripts folder is often not on ``PATH``.
+    """
+    found = shutil.which("dot") or shutil.which("graphviz-pure")
+    if found is None:
+        beside = Path(sysconfig.get_path("scripts")) / "graphviz-pure"
+        found = str(beside) if beside.is_file() else None
+    return found
+
+
 def dot_available() -> bool:
-    return shutil.which("dot") is not None
+    return dot_program() is not None
 
 
 def render(dot_text: str, path: Path, timeout: float = 120.0) -> Path | None:
@@ -609,18 +625,19 @@ def render(dot_text: str, path: Path, timeout: float = 120.0) -> Path | None:
     global _warned_no_dot
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dot_text)
-    if not dot_available():
+    program = dot_program() if dot_available() else None
+    if program is None:
         if not _warned_no_dot:
             log.warning(
-                "graphviz's `dot` is not on PATH: writing .dot files only; the drawings need "
-                "graphviz (Debian/Ubuntu: apt-get install graphviz)"
+                "graphviz's `dot` is not on PATH: writing .dot files only; for the drawings "
+                "pip install 'boost-compiler[draw]' (or apt-get install graphviz)"
             )
             _warned_no_dot = True
         return None
     svg = path.with_suffix(".svg")
     try:
         subprocess.run(
-            ["dot", "-Tsvg", "-o", str(svg), str(path)],
+            [program, "-Tsvg", "-o", str(svg), str(path)],
             check=True, capture_output=True, timeout=timeout,
         )  # fmt: skip
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
