@@ -20,30 +20,28 @@ Example::
 
 from __future__ import annotations
 
-from .analysis.bottlenecks import Bottleneck, detect
+from .analysis.bottlenecks import Bottleneck
+from .analysis.detect import detect
 from .analysis.report import bottleneck_table
 from .backend import boost_backend
-from .convert import (
-    ConversionError,
-    ConversionReport,
-    LayerConversion,
-    LowRankLinear,
-    PatternError,
-    RankError,
-    UnsupportedModuleError,
-    to_low_rank,
-)
+from .convert import ConversionReport, LayerConversion, LowRankLinear, to_low_rank
 from .errors import (
     AlreadyParallelizedError,
     BoostError,
     CaptureError,
+    ConversionError,
+    HookAfterParallelizeError,
     MeshError,
     MutationError,
     OptionError,
     OptionTypeError,
+    PatternError,
+    RankError,
     ShardingError,
+    StateDictError,
     UncompiledFrameError,
     UnknownOptionError,
+    UnsupportedModuleError,
 )
 from .explain import Report, explain
 from .ir.capture import CapturedGraph, capture
@@ -51,7 +49,8 @@ from .options import BoostOptions
 from .tp.parallel import parallelize
 from .tp.placement import Placement
 from .tp.plan import TPPlan
-from .tp.state_dict import StateDictError, gather_state_dict, load_state_dict, reset_parameters
+from .tp.shadow import ParallelState, parallel_state
+from .tp.state_dict import gather_state_dict, load_state_dict, reset_parameters
 
 __version__ = "0.1.0"
 
@@ -64,12 +63,14 @@ __all__ = [
     "CapturedGraph",
     "ConversionError",
     "ConversionReport",
+    "HookAfterParallelizeError",
     "LayerConversion",
     "LowRankLinear",
     "MeshError",
     "MutationError",
     "OptionError",
     "OptionTypeError",
+    "ParallelState",
     "PatternError",
     "Placement",
     "RankError",
@@ -87,6 +88,7 @@ __all__ = [
     "explain",
     "gather_state_dict",
     "load_state_dict",
+    "parallel_state",
     "parallelize",
     "reset_parameters",
     "to_low_rank",

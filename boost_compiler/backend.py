@@ -23,13 +23,13 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from ._logging import get_logger
-from .errors import OptionTypeError, ShardingError
+from .errors import ShardingError
 from .ir.capture import placeholder_names
 from .ir.dump import GraphDumper
 from .options import BoostOptions
-from .passes import PIPELINE, BoostPass, PassContext
+from .passes import TP_REQUIRED, BoostPass, PassContext, run_pipeline
 from .passes.base import _digest
-from .tp.parallel import SUBSTITUTED, current_local
+from .tp.shadow import SUBSTITUTED, current_local, placeholder_record, shadow_param
 
 log = get_logger(__name__)
 
@@ -56,23 +56,6 @@ class _PipelineFingerprint(CustomGraphPass):
         return _digest(*self.uuids, repr(inner))
 
 
-def run_pipeline(gm: fx.GraphModule, ctx: PassContext, options: BoostOptions) -> list[BoostPass]:
-    """Run the enabled passes in order on ``gm``; returns the pass objects run."""
-    ran: list[BoostPass] = []
-    dump = GraphDumper(options.settings.get("dump_dir"))
-    dump("input", gm, ctx)
-    for cls in PIPELINE:
-        if not options.enabled(cls.name):
-            log.debug("pass %s switched off", cls.name)
-            continue
-        p = cls(ctx, options.passes[cls.name])
-        p(gm.graph)
-        ran.append(p)
-        dump(cls.name, gm, ctx)
-    gm.recompile()
-    return ran
-
-
 def boost_backend(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -84,17 +67,16 @@ def boost_backend(
     opts = BoostOptions.parse(options)
     params, _ = placeholder_names(gm, example_inputs)
     ctx = PassContext(param_names=params)
-    shards = {i: x for i, x in enumerate(example_inputs) if hasattr(x, "_boost_local")}
+    records = {i: r for i, x in enumerate(example_inputs) if (r := shadow_param(x)) is not None}
+    shards = {i: example_inputs[i] for i in records}
     if shards:
-        required = ("inline_regions", "functionalize", "detect_bottlenecks", "btp")
-        if not all(opts.enabled(name) for name in required):
-            raise OptionTypeError(
-                "this model was prepared by boost_compiler.parallelize: the passes "
-                f"{', '.join(map(repr, required))} cannot be switched off for it"
-            )
-        ctx.tp = next(iter(shards.values()))._boost_group
-        ctx.fixed = {x._boost_fqn: x._boost_placement for x in shards.values()}
-    ran = run_pipeline(gm, ctx, opts)
+        ctx.tp = next(iter(records.values())).group
+        ctx.fixed = {r.fqn: r.placement for r in records.values()}
+    ran = run_pipeline(
+        gm, ctx, opts,
+        required=TP_REQUIRED if shards else (),
+        on_stage=GraphDumper(opts.settings.get("dump_dir")),
+    )  # fmt: skip
     counters["boost"]["graphs"] += 1
     counters["boost"]["bottlenecks"] += len(ctx.bottlenecks)
     log.info(
@@ -178,18 +160,18 @@ def _with_local_shards(fn: Callable[..., Any], positions: list[int], tp: Any) ->
 
     def run(*args: Any) -> Any:
         args_ = list(args)
+        records = [(i, placeholder_record(args_[i])) for i in positions]
         seen = SUBSTITUTED.get()
         if seen is not None:  # the parallelized forward checks its parameters were all here
-            seen.update(args_[i]._boost_fqn for i in positions)
-        for i in positions:
-            placeholder = args_[i]
-            if placeholder._boost_group != tp:
+            seen.update(r.fqn for _, r in records)
+        for i, record in records:
+            if record.group != tp:
                 raise ShardingError(
                     f"a graph compiled for tensor-parallel group {tp} was called with "
-                    f"parameter {placeholder._boost_fqn!r} of group {placeholder._boost_group}; "
+                    f"parameter {record.fqn!r} of group {record.group}; "
                     "compile each differently parallelized model separately"
                 )
-            args_[i] = current_local(placeholder)
+            args_[i] = current_local(args_[i])
         return fn(*args_)  # dynamo calls a backend's result positionally
 
     return run
@@ -219,9 +201,4 @@ def _lower_with_inductor(
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-def compiled_graph_count() -> int:
-    """How many graphs the boost backend compiled in this process (for tests)."""
-    return int(counters["boost"]["graphs"])
-
-
-__all__ = ["boost_backend", "run_pipeline", "compiled_graph_count"]
+__all__ = ["boost_backend"]

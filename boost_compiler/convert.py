@@ -34,7 +34,8 @@ from rich.console import Group
 from rich.table import Table
 from torch import nn
 
-from .errors import BoostError
+from .errors import ConversionError, PatternError, RankError, UnsupportedModuleError
+from .tp.shadow import is_shard, parallel_state
 
 log = logging.getLogger("boost_compiler.convert")
 
@@ -51,22 +52,6 @@ __all__ = [
 
 METHODS = ("cola", "svd")
 _HEAD_NAMES = ("lm_head",)
-
-
-class ConversionError(BoostError, ValueError):
-    """``to_low_rank`` cannot convert the model as asked; the message names the module."""
-
-
-class RankError(ConversionError):
-    """The requested rank is not below ``min(d_in, d_out)`` of a layer (no bottleneck)."""
-
-
-class PatternError(ConversionError):
-    """An ``include`` pattern matches no module of the model (likely a typo)."""
-
-
-class UnsupportedModuleError(ConversionError, TypeError):
-    """A module selected by name is of a kind ``to_low_rank`` cannot factor."""
 
 
 class LowRankLinear(nn.Module):
@@ -311,62 +296,33 @@ def to_low_rank(
         rich.print(report)
         boost_compiler.detect(model, (torch.randn(2, 64),))  # two bottlenecks
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if rank is None and not 0.0 < rank_ratio < 1.0:
-        raise ValueError(f"rank_ratio must be in (0, 1), got {rank_ratio}")
-    if rank is not None and rank <= 0:
-        raise ValueError(f"rank must be positive, got {rank}")
-    if multiple_of < 1:
-        raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
-    if rank is not None and rank % multiple_of:
-        raise ValueError(f"rank {rank} is not a multiple of multiple_of={multiple_of}")
-    if hasattr(model, "boost_plan"):
+    _check_arguments(method, rank, rank_ratio, multiple_of)
+    if parallel_state(model) is not None or any(map(is_shard, model.parameters())):
         raise ConversionError(
-            f"{type(model).__name__} is already parallelized: call to_low_rank before parallelize"
+            f"{type(model).__name__} is parallelized, or a part of a parallelized model: "
+            "call to_low_rank before parallelize"
         )
     inc, exc = _patterns(include), _patterns(exclude)
     conv1d = _conv1d_type()
     kinds = (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
-
     modules = dict(model.named_modules())
     candidates = {n: m for n, m in modules.items() if n and isinstance(m, kinds)}
-    for pat in inc:
-        hit = [n for n in modules if n and _covered(n, [pat])]
-        if not hit:
-            raise PatternError(
-                f"include pattern {pat!r} matches no module of {type(model).__name__}"
-            )
-        if not any(n in candidates for n in hit):
-            what = ", ".join(f"'{n}' ({type(modules[n]).__name__})" for n in hit[:5])
-            raise UnsupportedModuleError(
-                f"include pattern {pat!r} matches only modules to_low_rank cannot convert: "
-                f"{what}; it converts nn.Linear and transformers' Conv1D"
-            )
-    for pat in exc:
-        if not any(n and _covered(n, [pat]) for n in modules):
-            log.warning("exclude pattern %r matches no module", pat)
+    _check_patterns(model, modules, candidates, inc, exc)
 
-    heads = _heads(model, candidates)
     report = ConversionReport(method=method, model_params_before=_param_count(model))
+    heads = _heads(model, candidates)
     plan: list[tuple[str, nn.Module, int]] = []
     for name, mod in candidates.items():
         if inc and not _covered(name, inc):
             continue
-        explicit = _named_explicitly(name, inc)
-        parent = modules[name.rpartition(".")[0]]
         if pat := _covered(name, exc):
             report.skipped[name] = f"excluded by {pat!r}"
             continue
+        parent = modules[name.rpartition(".")[0]]
         if isinstance(parent, LowRankLinear):
             continue  # already a factor: converting twice is a no-op
-        why = ""
-        if type(mod) not in (nn.Linear, conv1d):
-            why = f"{type(mod).__name__} is a subclass of nn.Linear with its own behaviour"
-        elif isinstance(parent, nn.MultiheadAttention):
-            why = "nn.MultiheadAttention reads this weight directly, not through the module"
-        elif name in heads and (explicit is False or "tied" in heads[name]):
-            why = heads[name]
+        explicit = _named_explicitly(name, inc)
+        why = _why_dense(name, mod, parent, conv1d, heads, explicit)
         if why:
             if explicit:
                 raise UnsupportedModuleError(f"cannot convert '{name}': {why}")
@@ -397,6 +353,62 @@ def to_low_rank(
         f"{report.model_params_after:,}",
     )
     return report
+
+
+def _check_arguments(method: str, rank: int | None, rank_ratio: float, multiple_of: int) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if rank is None and not 0.0 < rank_ratio < 1.0:
+        raise ValueError(f"rank_ratio must be in (0, 1), got {rank_ratio}")
+    if rank is not None and rank <= 0:
+        raise ValueError(f"rank must be positive, got {rank}")
+    if multiple_of < 1:
+        raise ValueError(f"multiple_of must be >= 1, got {multiple_of}")
+    if rank is not None and rank % multiple_of:
+        raise ValueError(f"rank {rank} is not a multiple of multiple_of={multiple_of}")
+
+
+def _check_patterns(
+    model: nn.Module,
+    modules: dict[str, nn.Module],
+    candidates: dict[str, nn.Module],
+    include: Sequence[str],
+    exclude: Sequence[str],
+) -> None:
+    """An include pattern must select a convertible module; an unused exclude is a warning."""
+    for pat in include:
+        hit = [n for n in modules if n and _covered(n, [pat])]
+        if not hit:
+            raise PatternError(
+                f"include pattern {pat!r} matches no module of {type(model).__name__}"
+            )
+        if not any(n in candidates for n in hit):
+            what = ", ".join(f"'{n}' ({type(modules[n]).__name__})" for n in hit[:5])
+            raise UnsupportedModuleError(
+                f"include pattern {pat!r} matches only modules to_low_rank cannot convert: "
+                f"{what}; it converts nn.Linear and transformers' Conv1D"
+            )
+    for pat in exclude:
+        if not any(n and _covered(n, [pat]) for n in modules):
+            log.warning("exclude pattern %r matches no module", pat)
+
+
+def _why_dense(
+    name: str,
+    mod: nn.Module,
+    parent: nn.Module,
+    conv1d: type | None,
+    heads: dict[str, str],
+    explicit: bool,
+) -> str:
+    """Why a candidate must stay dense ("" if it can be converted)."""
+    if type(mod) not in (nn.Linear, conv1d):
+        return f"{type(mod).__name__} is a subclass of nn.Linear with its own behaviour"
+    if isinstance(parent, nn.MultiheadAttention):
+        return "nn.MultiheadAttention reads this weight directly, not through the module"
+    if name in heads and (explicit is False or "tied" in heads[name]):
+        return heads[name]
+    return ""
 
 
 def _convert_one(

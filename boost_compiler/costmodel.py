@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import sympy as sp
 
 from ._logging import get_logger
-from .errors import BoostError, ShardingError
+from .errors import ShardingError, UnknownConfigError
 
 if TYPE_CHECKING:
     from .tp.plan import TPPlan
@@ -69,13 +69,6 @@ alpha, beta = sp.symbols("alpha beta", positive=True)  # latency (s), inverse ba
 STAT_BYTES = 4  # norm statistics travel in fp32 (tp_ops.sharded_rms_norm)
 MIB = 2**20
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
-
-
-class UnknownConfigError(BoostError, KeyError):
-    """A model size the cost model has no built-in dimensions for."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -97,7 +90,7 @@ class LlamaDims:
 
     @classmethod
     def from_model_config(cls, cfg: Any, name: str = "model") -> LlamaDims:
-        """From ``examples.cola_llama.ColaLlamaConfig`` (or anything with its fields)."""
+        """From :class:`boost_compiler.models.cola_llama.ColaLlamaConfig` (or anything with its fields)."""
         return cls(
             name, cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.n_heads, cfg.rank,
             cfg.num_kv_heads, cfg.vocab_size,
@@ -458,3 +451,28 @@ def plan_comm(plan: TPPlan) -> PlanComm:
                 totals[key + "b"] += nbytes
                 totals[key + "c"] += 1
     return PlanComm(totals["fb"], totals["bb"], totals["fc"], totals["bc"], tuple(rows))
+
+
+@dataclass(frozen=True)
+class PipelineBoundary:
+    """What one micro-batch moves across one pipeline-stage boundary (bytes, one tp rank).
+
+    ``p2p`` is the activation sent forward (the gradient sent back is as large): the
+    hidden shard ``[b/m, s, d/p]``. ``tp_gather`` is the payload of each all-gather of
+    the full ``[b/m, s, d]`` the boundary costs inside the tp groups today (the stage
+    graph's replicated output, the receiver's re-assembly; one of each backward too:
+    ``train/pipeline.py``), 4 per boundary and micro-batch.
+    """
+
+    p2p: int
+    tp_gather: int
+
+
+def pipeline_boundary_bytes(
+    b: int, s: int, d: int, p: int, m: int, elem_bytes: int = 4
+) -> PipelineBoundary:
+    """Bytes per micro-batch across a stage boundary of ``b x s`` tokens in ``m`` micro-batches."""
+    if b % m or d % p:
+        raise ValueError(f"b={b} must divide by m={m} and d={d} by p={p}")
+    full = (b // m) * s * d * elem_bytes
+    return PipelineBoundary(p2p=full // p, tp_gather=full if p > 1 else 0)

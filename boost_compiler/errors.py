@@ -46,6 +46,50 @@ class UncompiledFrameError(BoostError, RuntimeError):
     """A part of a parallelized model ran as plain Python, outside the compiled graphs."""
 
 
+class HookAfterParallelizeError(BoostError, RuntimeError):
+    """A hook registered on an inner module of a parallelized model, which never runs.
+
+    The model's forward runs the shadow (see :mod:`boost_compiler.tp.shadow`), a copy of
+    its module tree taken by ``parallelize``: register such hooks before ``parallelize``,
+    or on the parallelized model itself.
+    """
+
+
+class StateDictError(BoostError, ValueError):
+    """A state dict does not fit the parallelized model (names the key at fault)."""
+
+
+class ConversionError(BoostError, ValueError):
+    """``to_low_rank`` cannot convert the model as asked; the message names the module."""
+
+
+class RankError(ConversionError):
+    """The requested rank is not below ``min(d_in, d_out)`` of a layer (no bottleneck)."""
+
+
+class PatternError(ConversionError):
+    """An ``include`` pattern matches no module of the model (likely a typo)."""
+
+
+class UnsupportedModuleError(ConversionError, TypeError):
+    """A module selected by name is of a kind ``to_low_rank`` cannot factor."""
+
+
+class UnknownConfigError(BoostError, KeyError):
+    """A model size the cost model has no built-in dimensions for."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class TrainConfigError(BoostError, ValueError):
+    """A training configuration value is missing, unknown or inconsistent (names it)."""
+
+
+class BenchError(BoostError):
+    """``boost bench`` cannot run: a bad argument (size, system, GEMM scale)."""
+
+
 class CheckpointError(BoostError):
     """No usable checkpoint, or one that does not fit the model (names what)."""
 
@@ -56,3 +100,7 @@ class CheckpointCorruptError(CheckpointError):
 
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint's metadata names something that could run code when loaded."""
+
+
+class PipelineError(BoostError, ValueError):
+    """A pipeline-parallel layout that cannot be built (layer split, mesh, micro-batches)."""

@@ -376,6 +376,28 @@ class NormBetween(nn.Module):
         return self.up(self.norm(self.down(x)))
 
 
+class WeightReadFirst(nn.Module):
+    """Factor weights read whole before their layer runs: ``w.abs().mean()`` of a down
+    factor as a scale, ``w.norm()`` of an up factor as a divisor.
+
+    The first reader fixes the weight replicated; the layer after it must still get
+    its split (a slice of the replicated weight), not the whole matrix on a shard.
+    """
+
+    def __init__(self, d: int = 64, rank: int = 16) -> None:
+        super().__init__()
+        self.down = nn.Linear(d, rank, bias=False)
+        self.up = nn.Linear(rank, d, bias=False)
+        self.down2 = nn.Linear(d, rank, bias=False)
+        self.up2 = nn.Linear(rank, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.down.weight.abs().mean()
+        n = self.up2.weight.norm()
+        h = x + self.up(self.down(x)) * scale
+        return h + self.up2(self.down2(h)) / n
+
+
 class DropoutCola(nn.Module):
     """Embedding, two bottlenecks with dropout on the r-dim latent AND on the hidden shard.
 
@@ -630,3 +652,8 @@ class LaxLlama(nn.Module):
 def make_lax(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(seed)
     return LaxLlama(), (_token_ids(96),)
+
+
+def make_weight_read_first(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(seed)
+    return WeightReadFirst(), (_hidden(),)

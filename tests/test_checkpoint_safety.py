@@ -119,3 +119,15 @@ def test_no_intact_checkpoint_says_why(run: Path, tmp_path: Path) -> None:
         (step / ".metadata").write_bytes(b"")
     with pytest.raises(CheckpointError, match="no complete, intact checkpoint.*skipped"):
         ckpt.resolve(root / "ckpt")
+
+
+def test_a_run_without_output_folders_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loss.png").write_bytes(b"the user's own file")
+    result = train(_config(tmp_path, steps=2, save_every=0, checkpoint_dir=None, metrics=None,
+                           plot=None))  # fmt: skip
+    assert result.plot is None and len(result.losses) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]
+    assert (tmp_path / "loss.png").read_bytes() == b"the user's own file"

@@ -144,7 +144,8 @@ def _insert_primitives(gm: fx.GraphModule, group: str) -> None:
         if example is not None:  # dynamo graph: keep meta complete for AOT's cache check
             with example.fake_mode:
                 node.meta["example_value"] = fn(example, *extra, group)
-        C.mark_aot_cacheable(node)
+        if fn in (C.gather_from_tp, C.scatter_to_tp):  # as the propagator does: the rank in
+            node.kwargs = {"rank": dist.get_rank(), "world_size": WORLD}  # the graph's text
     gm.graph.lint()
     gm.recompile()
 

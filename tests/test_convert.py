@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
@@ -19,6 +20,7 @@ from boost_compiler.convert import (
     UnsupportedModuleError,
     to_low_rank,
 )
+from boost_compiler.tp.collectives import fake_process_group
 
 
 class Attn(nn.Module):
@@ -204,10 +206,13 @@ def test_bad_input_names_the_module() -> None:
         to_low_rank(Toy(), method="tucker")
     with pytest.raises(ValueError, match="multiple"):
         to_low_rank(Toy(), rank=12, multiple_of=8)
-    model = Toy()
-    model.boost_plan = object()  # as parallelize leaves it
-    with pytest.raises(boost_compiler.BoostError, match="before parallelize"):
-        to_low_rank(model)
+    with fake_process_group(2):
+        model = Toy()
+        to_low_rank(model, rank=16)
+        boost_compiler.parallelize(model, dist.group.WORLD, (torch.randint(0, 96, (2, 8)),))
+        for part in (model, model.mlp):  # the model, or a part of it (holding shards)
+            with pytest.raises(boost_compiler.ConversionError, match="before parallelize"):
+                to_low_rank(part)
 
 
 # ---------------------------------------------------------------------------------

@@ -200,7 +200,7 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
     the shadow's compiled entry without the forward's guard gives NaN, which is
     what the guard prevents.
     """
-    from boost_compiler.tp import parallel
+    from boost_compiler.tp import shadow
 
     torch._dynamo.reset()
     x = torch.randn(2, 3, 16)
@@ -215,7 +215,7 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
             with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=False):
                 assert torch.isfinite(run(x))  # compiled, not placeholders (fake group: no values)
                 torch._dynamo.reset()
-                monkeypatch.setattr(parallel, "SHADOW_RECOMPILE_LIMIT", 1)
+                monkeypatch.setattr(shadow, "SHADOW_RECOMPILE_LIMIT", 1)
                 with pytest.raises(boost_compiler.UncompiledFrameError, match="recompile limit"):
                     model(x)  # parallelize's own capture holds the frames' one entry
                     run(x)

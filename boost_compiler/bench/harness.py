@@ -354,25 +354,7 @@ def spawn(
         ]
         for p in procs:
             p.start()
-        error = None
-        deadline = t0 + timeout_s
-        while any(p.is_alive() for p in procs):
-            if time.perf_counter() > deadline:
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                error = f"timed out after {timeout_s:.0f} s"
-                break
-            dead_bad = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-            if dead_bad:  # one rank died: the others would wait on a collective forever
-                time.sleep(2)
-                for p in procs:
-                    if p.is_alive():
-                        p.kill()
-                break
-            time.sleep(0.2)
-        for p in procs:
-            p.join()
+        error = _wait(procs, t0 + timeout_s, timeout_s)
         per_rank = []
         for r, f in enumerate(outs):
             if os.path.exists(f):
@@ -390,3 +372,26 @@ def spawn(
     res["per_rank"] = per_rank
     res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+def _wait(procs: list[Any], deadline: float, timeout_s: float) -> str | None:
+    """Join the ranks, all killed past the deadline or once one died; the timeout, or None."""
+    error = None
+    while any(p.is_alive() for p in procs):
+        if time.perf_counter() > deadline:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            error = f"timed out after {timeout_s:.0f} s"
+            break
+        dead_bad = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+        if dead_bad:  # one rank died: the others would wait on a collective forever
+            time.sleep(2)
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.join()
+    return error

@@ -240,71 +240,84 @@ def analyse(
     """Per size and system: step statistics, tokens/s, ratios, loss check, comm vs prediction."""
     summary: dict[str, dict[str, Any]] = {}
     for size in sizes:
-        spec = SIZES[size]
-        rows: dict[str, Any] = {}
-        for system, res in results.items():
-            r = res.get("sizes", {}).get(size)
-            if r is None:
-                r = {"error": res.get("error", "did not run")}
-            row: dict[str, Any] = {"system": system}
-            if "error" in r:
-                row["error"] = r["error"]
-                row["traceback"] = r.get("traceback", res.get("traceback", ""))
-                rows[system] = row
-                continue
-            st = _stats(r["step_times"])
-            row.update(st)
-            row["tokens_per_s"] = spec.tokens / st["step_s"]
-            row["fwd_bwd_s"] = st["fwd_s"] + st["bwd_s"]
-            row["first_step_s"] = r["first_step_s"]
-            row["parallelize_s"] = r.get("parallelize_s", 0.0)
-            row["losses"] = r["losses"]
-            row["cache"] = r.get("cache", {})
-            if system in TP_SYSTEMS:
-                pred = predict(system, spec, tp)
-                comm = r.get("comm")
-                row["predicted"] = pred
-                row["plan"] = r.get("plan_comm")
-                if comm:
-                    row["comm"] = comm
-                    row["bytes_match"] = comm["bytes"] == pred["bytes"] and (
-                        comm["fwd"]["bytes"] == pred["fwd_bytes"]
-                        and comm["bwd"]["bytes"] == pred["bwd_bytes"]
-                    )
-                    row["count_match"] = comm["count"] == pred["count"]
-                    if row["plan"]:
-                        plan = row["plan"]
-                        row["plan_match"] = comm["fwd"]["bytes"] == plan["fwd_bytes"] and (
-                            comm["bwd"]["bytes"] == plan["bwd_bytes"]
-                        )
-                    counts = {
-                        pr.get("sizes", {}).get(size, {}).get("comm", {}).get("count")
-                        for pr in res.get("per_rank", [])
-                    }
-                    row["ranks_agree"] = len(counts) == 1
-                row["fallbacks"] = r.get("fallbacks", [])
-            row["top_self_cpu_us"] = r.get("profile", {}).get("top_self_cpu_us", [])
-            row["breakdown_ms"] = r.get("profile", {}).get("breakdown_ms", {})
-            row["threads"] = r.get("threads")
-            row["world"] = r.get("world")
-            row["marks_us"] = r.get("profile", {}).get("marks_us", {})
-            rows[system] = row
-        eager = rows.get("eager", {}).get("losses")
-        boost = rows.get("boost", {})
-        for system, row in rows.items():
-            if "error" in row:
-                continue
-            if eager and system != "dtensor-dense":
-                n = min(len(eager), len(row["losses"]))
-                row["loss_vs_eager"] = max(
-                    abs(a - b) / max(abs(b), 1e-12)
-                    for a, b in zip(row["losses"][:n], eager[:n], strict=True)
-                )
-            if "step_s" in boost:
-                row["boost_speedup"] = row["step_s"] / boost["step_s"]
-                row["boost_speedup_fwd_bwd"] = row["fwd_bwd_s"] / boost["fwd_bwd_s"]
+        rows = {system: _row(system, res, size, tp) for system, res in results.items()}
+        _compare_with_eager_and_boost(rows)
         summary[size] = rows
     return summary
+
+
+def _row(system: str, res: dict[str, Any], size: str, tp: int) -> dict[str, Any]:
+    """One system at one size: its error, or its statistics."""
+    spec = SIZES[size]
+    r = res.get("sizes", {}).get(size)
+    if r is None:
+        r = {"error": res.get("error", "did not run")}
+    row: dict[str, Any] = {"system": system}
+    if "error" in r:
+        row["error"] = r["error"]
+        row["traceback"] = r.get("traceback", res.get("traceback", ""))
+        return row
+    st = _stats(r["step_times"])
+    row.update(st)
+    row["tokens_per_s"] = spec.tokens / st["step_s"]
+    row["fwd_bwd_s"] = st["fwd_s"] + st["bwd_s"]
+    row["first_step_s"] = r["first_step_s"]
+    row["parallelize_s"] = r.get("parallelize_s", 0.0)
+    row["losses"] = r["losses"]
+    row["cache"] = r.get("cache", {})
+    if system in TP_SYSTEMS:
+        _check_comm(row, r, res, system, size, tp)
+    row["top_self_cpu_us"] = r.get("profile", {}).get("top_self_cpu_us", [])
+    row["breakdown_ms"] = r.get("profile", {}).get("breakdown_ms", {})
+    row["threads"] = r.get("threads")
+    row["world"] = r.get("world")
+    row["marks_us"] = r.get("profile", {}).get("marks_us", {})
+    return row
+
+
+def _check_comm(
+    row: dict[str, Any], r: dict[str, Any], res: dict[str, Any], system: str, size: str, tp: int
+) -> None:
+    """A TP system's measured communication against the cost model and the plan."""
+    pred = predict(system, SIZES[size], tp)
+    comm = r.get("comm")
+    row["predicted"] = pred
+    row["plan"] = r.get("plan_comm")
+    if comm:
+        row["comm"] = comm
+        row["bytes_match"] = comm["bytes"] == pred["bytes"] and (
+            comm["fwd"]["bytes"] == pred["fwd_bytes"] and comm["bwd"]["bytes"] == pred["bwd_bytes"]
+        )
+        row["count_match"] = comm["count"] == pred["count"]
+        if row["plan"]:
+            plan = row["plan"]
+            row["plan_match"] = comm["fwd"]["bytes"] == plan["fwd_bytes"] and (
+                comm["bwd"]["bytes"] == plan["bwd_bytes"]
+            )
+        counts = {
+            pr.get("sizes", {}).get(size, {}).get("comm", {}).get("count")
+            for pr in res.get("per_rank", [])
+        }
+        row["ranks_agree"] = len(counts) == 1
+    row["fallbacks"] = r.get("fallbacks", [])
+
+
+def _compare_with_eager_and_boost(rows: dict[str, dict[str, Any]]) -> None:
+    """Each row's loss distance to 1-process eager and its step time over BOOST's."""
+    eager = rows.get("eager", {}).get("losses")
+    boost = rows.get("boost", {})
+    for system, row in rows.items():
+        if "error" in row:
+            continue
+        if eager and system != "dtensor-dense":
+            n = min(len(eager), len(row["losses"]))
+            row["loss_vs_eager"] = max(
+                abs(a - b) / max(abs(b), 1e-12)
+                for a, b in zip(row["losses"][:n], eager[:n], strict=True)
+            )
+        if "step_s" in boost:
+            row["boost_speedup"] = row["step_s"] / boost["step_s"]
+            row["boost_speedup_fwd_bwd"] = row["fwd_bwd_s"] / boost["fwd_bwd_s"]
 
 
 # --------------------------------------------------------------------------- tables
@@ -466,73 +479,84 @@ def plots(summary: dict[str, dict[str, Any]], gemm: list[dict[str, Any]], out: P
         )
         return []
     files = []
-    sizes = list(summary)
     if any("comm" in r for rows in summary.values() for r in rows.values()):
-        fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
-        for ax, size in zip(axes[0], sizes, strict=True):
-            rows = summary[size]
-            names = [s for s in TP_SYSTEMS if "comm" in rows.get(s, {})]
-            meas = [rows[s]["comm"]["bytes"] / 2**20 for s in names]
-            pred = [rows[s]["predicted"]["bytes"] / 2**20 for s in names]
-            ax.bar(names, meas, color=["tab:green", "tab:red", "tab:gray"][: len(names)])
-            ax.scatter(names, pred, marker="_", s=900, color="black", label="cost model", zorder=3)
-            for x, v in enumerate(meas):
-                ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
-            ax.set_title(f"{size}: {_size_label(size)}", fontsize=8)
-            ax.set_ylabel("MiB per training step (fwd+bwd)")
-            ax.legend(fontsize=8)
-            ax.tick_params(axis="x", labelsize=8)
-        fig.suptitle("Communication per step, measured (bars) vs cost model")
-        fig.tight_layout()
-        path = out / "comm_per_step.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        files.append(path.name)
+        files.append(_save(plt, _comm_chart(plt, summary), out / "comm_per_step.png"))
     if any("step_s" in r for rows in summary.values() for r in rows.values()):
-        fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), squeeze=False)
-        for ax, size in zip(axes[0], sizes, strict=True):
-            rows = summary[size]
-            names = [s for s in SYSTEMS if "step_s" in rows.get(s, {})]
-            ms = [rows[s]["step_s"] * 1e3 for s in names]
-            colors = {"boost": "tab:green", "dtensor-lowrank": "tab:red",
-                      "dtensor-dense": "tab:gray", "inductor": "tab:blue", "eager": "tab:orange"}  # fmt: skip
-            ax.bar(names, ms, color=[colors[s] for s in names])
-            for x, s in enumerate(names):
-                ax.text(x, ms[x], f"{ms[x]:.0f} ms\n{rows[s]['tokens_per_s']:,.0f} tok/s",
-                        ha="center", va="bottom", fontsize=7)  # fmt: skip
-            ax.set_ylim(0, max(ms, default=1) * 1.25)
-            ax.set_title(f"{size}: {_size_label(size)}", fontsize=8)
-            ax.set_ylabel("median step time (ms), lower is better")
-            ax.tick_params(axis="x", labelsize=7, rotation=15)
-        fig.suptitle("Training step time (fwd+bwd+AdamW), compiled")
-        fig.tight_layout()
-        path = out / "step_time.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        files.append(path.name)
+        files.append(_save(plt, _step_time_chart(plt, summary), out / "step_time.png"))
     if gemm:
-        fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(gemm)), 4))
-        strategies = list(gemm[0]["strategies"])
-        width = 0.8 / len(strategies)
-        for j, name in enumerate(strategies):
-            xs = [i + (j - (len(strategies) - 1) / 2) * width for i in range(len(gemm))]
-            vals = [g["strategies"][name]["gflops"] for g in gemm]
-            ax.bar(xs, vals, width, label=name)
-            for x, g, v in zip(xs, gemm, vals, strict=True):
-                ax.text(x, v, f"{g['strategies'][name]['intensity']:.0f}", ha="center",
-                        va="bottom", fontsize=6)  # fmt: skip
-        ax.set_xticks(range(len(gemm)))
-        ax.set_xticklabels([f"{g['scale']}\nd={g['d']} r={g['rank']} M={g['M']}" for g in gemm])
-        ax.set_ylabel(f"achieved GFLOP/s ({gemm[0]['dtype']}, {gemm[0]['threads']} thread(s))")
-        ax.set_title(f"GEMM microbench, tp={gemm[0]['tp']}: one layer's forward GEMMs per rank "
-                     "(labels: FLOP/B)", fontsize=9)  # fmt: skip
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / "gemm.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        files.append(path.name)
+        files.append(_save(plt, _gemm_chart(plt, gemm), out / "gemm.png"))
     return files
+
+
+def _save(plt: Any, fig: Any, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def _comm_chart(plt: Any, summary: dict[str, dict[str, Any]]) -> Any:
+    """Per size: the TP systems' measured MiB per step (bars), the cost model's (marks)."""
+    sizes = list(summary)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        rows = summary[size]
+        names = [s for s in TP_SYSTEMS if "comm" in rows.get(s, {})]
+        meas = [rows[s]["comm"]["bytes"] / 2**20 for s in names]
+        pred = [rows[s]["predicted"]["bytes"] / 2**20 for s in names]
+        ax.bar(names, meas, color=["tab:green", "tab:red", "tab:gray"][: len(names)])
+        ax.scatter(names, pred, marker="_", s=900, color="black", label="cost model", zorder=3)
+        for x, v in enumerate(meas):
+            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{size}: {_size_label(size)}", fontsize=8)
+        ax.set_ylabel("MiB per training step (fwd+bwd)")
+        ax.legend(fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle("Communication per step, measured (bars) vs cost model")
+    return fig
+
+
+def _step_time_chart(plt: Any, summary: dict[str, dict[str, Any]]) -> Any:
+    """Per size: every system's median step time and tokens/s."""
+    sizes = list(summary)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4), squeeze=False)
+    colors = {"boost": "tab:green", "dtensor-lowrank": "tab:red",
+              "dtensor-dense": "tab:gray", "inductor": "tab:blue", "eager": "tab:orange"}  # fmt: skip
+    for ax, size in zip(axes[0], sizes, strict=True):
+        rows = summary[size]
+        names = [s for s in SYSTEMS if "step_s" in rows.get(s, {})]
+        ms = [rows[s]["step_s"] * 1e3 for s in names]
+        ax.bar(names, ms, color=[colors[s] for s in names])
+        for x, s in enumerate(names):
+            ax.text(x, ms[x], f"{ms[x]:.0f} ms\n{rows[s]['tokens_per_s']:,.0f} tok/s",
+                    ha="center", va="bottom", fontsize=7)  # fmt: skip
+        ax.set_ylim(0, max(ms, default=1) * 1.25)
+        ax.set_title(f"{size}: {_size_label(size)}", fontsize=8)
+        ax.set_ylabel("median step time (ms), lower is better")
+        ax.tick_params(axis="x", labelsize=7, rotation=15)
+    fig.suptitle("Training step time (fwd+bwd+AdamW), compiled")
+    return fig
+
+
+def _gemm_chart(plt: Any, gemm: list[dict[str, Any]]) -> Any:
+    """Per GEMM scale: each strategy's achieved GFLOP/s, labelled with its intensity."""
+    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(gemm)), 4))
+    strategies = list(gemm[0]["strategies"])
+    width = 0.8 / len(strategies)
+    for j, name in enumerate(strategies):
+        xs = [i + (j - (len(strategies) - 1) / 2) * width for i in range(len(gemm))]
+        vals = [g["strategies"][name]["gflops"] for g in gemm]
+        ax.bar(xs, vals, width, label=name)
+        for x, g, v in zip(xs, gemm, vals, strict=True):
+            ax.text(x, v, f"{g['strategies'][name]['intensity']:.0f}", ha="center",
+                    va="bottom", fontsize=6)  # fmt: skip
+    ax.set_xticks(range(len(gemm)))
+    ax.set_xticklabels([f"{g['scale']}\nd={g['d']} r={g['rank']} M={g['M']}" for g in gemm])
+    ax.set_ylabel(f"achieved GFLOP/s ({gemm[0]['dtype']}, {gemm[0]['threads']} thread(s))")
+    ax.set_title(f"GEMM microbench, tp={gemm[0]['tp']}: one layer's forward GEMMs per rank "
+                 "(labels: FLOP/B)", fontsize=9)  # fmt: skip
+    ax.legend(fontsize=8)
+    return fig
 
 
 # --------------------------------------------------------------------------- main
@@ -590,6 +614,41 @@ def run(args: argparse.Namespace) -> int:
     )
     meta = _meta(args)
     t_start = time.perf_counter()
+    results = _run_systems(args, console, sizes, systems, out)
+    gemm: list[dict[str, Any]] = []
+    if scales:
+        from . import gemm as gemm_mod
+
+        with console.status("GEMM microbench ..."):
+            gemm = gemm_mod.run(scales, tp=args.tp, threads=args.gemm_threads)
+    summary = analyse(results, sizes, args.tp)
+    _print_tables(console, args, summary, sizes, systems, meta, gemm)
+    failures = _print_failures(console, summary)
+    meta["load_average_end"] = list(os.getloadavg())
+    meta["wall_s"] = time.perf_counter() - t_start
+    files = [] if args.no_plots else plots(summary, gemm, out)
+    record = {
+        "meta": meta,
+        "summary": summary,
+        "gemm": gemm,
+        "raw": {s: {k: v for k, v in r.items() if k != "per_rank"} for s, r in results.items()},
+        "failures": failures,
+        "charts": files,
+    }
+    (out / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
+    console.print(
+        f"wrote {out / 'results.json'}" + (f", {', '.join(files)}" if files else "")
+        + f" in {meta['wall_s']:.0f} s; load average {meta['load_average_start'][0]:.1f} at start, "
+        f"{meta['load_average_end'][0]:.1f} at end (other jobs on this machine skew timings)"
+    )  # fmt: skip
+    console.save_text(str(out / "tables.txt"))
+    return 1 if failures else 0
+
+
+def _run_systems(
+    args: argparse.Namespace, console: Any, sizes: list[str], systems: list[str], out: Path
+) -> dict[str, dict[str, Any]]:
+    """Spawn the TP systems on ``args.tp`` processes, then the others on one; per-system results."""
     specs = {s: SIZES[s].as_dict() for s in sizes}
     results: dict[str, dict[str, Any]] = {}
     groups = [
@@ -623,13 +682,18 @@ def run(args: argparse.Namespace) -> int:
                     done.append(f"{size} [red]failed[/]: {escape(str(r.get('error', '?')))}")
             console.print(f"[bold]{system}[/]: " + "; ".join(done))
         console.print(f"({', '.join(members)}: {time.perf_counter() - t0:.0f} s)")
-    gemm: list[dict[str, Any]] = []
-    if scales:
-        from . import gemm as gemm_mod
+    return results
 
-        with console.status("GEMM microbench ..."):
-            gemm = gemm_mod.run(scales, tp=args.tp, threads=args.gemm_threads)
-    summary = analyse(results, sizes, args.tp)
+
+def _print_tables(
+    console: Any,
+    args: argparse.Namespace,
+    summary: dict[str, dict[str, Any]],
+    sizes: list[str],
+    systems: list[str],
+    meta: dict[str, Any],
+    gemm: list[dict[str, Any]],
+) -> None:
     if any(s in TP_SYSTEMS for s in systems):
         console.print(comm_table(summary, args.tp))
         terms = "; ".join(
@@ -650,6 +714,10 @@ def run(args: argparse.Namespace) -> int:
         from .gemm import table as gemm_table
 
         console.print(gemm_table(gemm))
+
+
+def _print_failures(console: Any, summary: dict[str, dict[str, Any]]) -> list[str]:
+    """Print what failed or disagreed (and the warnings); the failures, one line each."""
     failures = []
     for size, rows in summary.items():
         for system, r in rows.items():
@@ -668,25 +736,7 @@ def run(args: argparse.Namespace) -> int:
                 console.print(f"[yellow]{system} at {size}: fallbacks {r['fallbacks']}[/]")
             if system in TP_SYSTEMS and r.get("ranks_agree") is False:
                 console.print(f"[yellow]{system} at {size}: ranks ran different collectives[/]")
-    meta["load_average_end"] = list(os.getloadavg())
-    meta["wall_s"] = time.perf_counter() - t_start
-    files = [] if args.no_plots else plots(summary, gemm, out)
-    record = {
-        "meta": meta,
-        "summary": summary,
-        "gemm": gemm,
-        "raw": {s: {k: v for k, v in r.items() if k != "per_rank"} for s, r in results.items()},
-        "failures": failures,
-        "charts": files,
-    }
-    (out / "results.json").write_text(json.dumps(record, indent=1, default=str) + "\n")
-    console.print(
-        f"wrote {out / 'results.json'}" + (f", {', '.join(files)}" if files else "")
-        + f" in {meta['wall_s']:.0f} s; load average {meta['load_average_start'][0]:.1f} at start, "
-        f"{meta['load_average_end'][0]:.1f} at end (other jobs on this machine skew timings)"
-    )  # fmt: skip
-    console.save_text(str(out / "tables.txt"))
-    return 1 if failures else 0
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:

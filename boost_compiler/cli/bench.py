@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import BoostError
+from ..errors import BenchError
 from . import Command
-
-
-class BenchError(BoostError):
-    """boost bench cannot run: a bad argument (size, system, GEMM scale)."""
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:

@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
+from ..ir.op_table import op_kind
 from ..ir.ops import op_name, value_of
 from ..tp import collectives as C
 from ..tp.placement import Placement
@@ -58,14 +59,9 @@ COLLECTIVE_FILL = {"fwd": "#7c3aed", "bwd": "#c4b5fd", "fwd+bwd": "#5b21b6", "no
 CHAIN_COLOUR = "#2563eb"
 RECOMPUTE_COLOUR = "#db2777"
 SAVED_COLOUR = "#047857"
-# Targets that are nothing but a collective: drawn as one hexagon themselves.
-_PRIMITIVES = {
-    C.reduce_from_tp: ("all_reduce", True, False),
-    C.copy_to_tp: ("all_reduce", False, True),
-    C.gather_from_tp: ("all_gather", True, False),
-    C.scatter_to_tp: ("all_gather", False, True),
-    C.all_reduce_sum: ("all_reduce", True, True),
-}
+# Targets that are nothing but a collective (the primitives of tp/collectives.py, not the
+# kernels that also compute): drawn as one hexagon themselves.
+_PRIMITIVES = frozenset(fn for fn in C.COMMUNICATION if fn.__module__ == C.__name__)
 _DTYPE_SHORT = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
     torch.int64: "i64", torch.int32: "i32",
@@ -191,7 +187,7 @@ def placement_of(node: fx.Node) -> Placement | None:
     users = list(node.users)
     if users and all(u.op == "call_function" and u.target is C.reduce_from_tp for u in users):
         return Placement("P")
-    if node.op == "call_function" and getattr(node.target, "__name__", "") == "getitem":
+    if op_kind(node) == "getitem":
         src = node.args[0]
         if isinstance(src, fx.Node) and isinstance(src.meta.get(PLACEMENT_META), Placement):
             return src.meta[PLACEMENT_META]
@@ -222,24 +218,6 @@ def checkpointing(node: fx.Node) -> tuple[str, Any] | None:
     return ("saved" if "SAVE" in name else "recompute", node.meta.get("ac_graph_id"))
 
 
-def scan_collectives(graph: fx.Graph) -> list[Collective]:
-    """Collectives read off the graph (when no pass recorded them): the primitive nodes."""
-    found = []
-    for node in graph.nodes:
-        spec = _PRIMITIVES.get(node.target) if node.op == "call_function" else None
-        if spec is None:
-            continue
-        kind, fwd, bwd = spec
-        src = node.args[0] if node.args else None
-        v = value_of(node) if node.target is C.gather_from_tp else value_of(src)
-        if not isinstance(v, torch.Tensor):
-            continue
-        if node.target is C.scatter_to_tp and not v.requires_grad:
-            continue  # a slice: no communication either way
-        found.append(Collective(kind, node.name, tuple(v.shape), v.dtype, fwd, bwd, "graph"))
-    return found
-
-
 # -- the views -------------------------------------------------------------------
 
 
@@ -253,7 +231,7 @@ class GraphView:
     """One graph, its layers and collectives, ready to draw.
 
     ``collectives``: the recorded collectives of this stage (node name -> records); when
-    None they are read off the graph (:func:`scan_collectives`).
+    None they are read off the graph (:func:`~boost_compiler.tp.collectives.graph_collectives`).
     """
 
     def __init__(
@@ -272,7 +250,7 @@ class GraphView:
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.by_name = {n.name: n for n in self.nodes}
         self.group = assign_groups(self.graph, self.param_names, buffer_names)
-        records = list(scan_collectives(self.graph) if collectives is None else collectives)
+        records = list(C.graph_collectives(self.graph) if collectives is None else collectives)
         self.records: dict[str, list[Collective]] = defaultdict(list)
         self.stale: list[Collective] = []  # records naming a node the graph no longer has
         for c in records:

@@ -173,14 +173,13 @@ def _tree(report: Report) -> str:
     return render(root)
 
 
-def write_html(report: Report, path: Path) -> Path:
-    """Write ``report.html`` and return its path."""
-    final = report.final()
+def _cards(report: Report) -> str:
+    """The summary's headline numbers."""
     rows = report.param_rows()
     per_rank = sum(r[4] for r in rows)
     sharded = sum(r[2].is_shard for r in rows)
-    this = next((c for c in report.cost if c.name.startswith("this plan")), None)
-    std = next((c for c in report.cost if c.name.startswith("standard")), None)
+    this = _cost_named(report, "this plan")
+    std = _cost_named(report, "standard")
     cards = [
         (len(report.bottlenecks), "bottlenecks found"),
         (f"{sharded} / {len(rows)}", "parameters sharded"),
@@ -195,32 +194,52 @@ def write_html(report: Report, path: Path) -> Path:
         cards.append(
             (f"{std.total / this.total:.2f}x", "standard low-rank TP (estimate) / this plan")
         )
-    card_html = "".join(
+    return "".join(
         f"<div class=card><b>{_e(str(v))}</b><span>{_e(t)}</span></div>" for v, t in cards
     )
 
-    b_rows = [
+
+def _cost_named(report: Report, prefix: str) -> Any:
+    return next((c for c in report.cost if c.name.startswith(prefix)), None)
+
+
+def _bottleneck_rows(report: Report) -> list[tuple[Any, ...]]:
+    return [
         (i, b.module or "·", b.down, b.up, b.d_in, b.rank, b.d_out, " → ".join(b.ops) or "identity")
         for i, b in enumerate(report.bottlenecks)
     ]
-    p_rows = [
+
+
+def _plan_rows(report: Report) -> list[tuple[Any, ...]]:
+    return [
         (name, str(list(shape)), (str(pl), str(pl)), str(list(local)), nb, gb)
-        for name, shape, pl, local, nb, gb in rows
+        for name, shape, pl, local, nb, gb in report.param_rows()
     ]
-    c_rows = []
+
+
+def _collective_rows(report: Report) -> list[tuple[Any, ...]]:
+    rows = []
     for stage in report.stages:
         for layer, c, n in report.collective_groups(stage):
-            c_rows.append(
+            rows.append(
                 ((stage.name, stage.index), layer, c.kind, draw.payload_text(c),
                  draw.collective_bytes(c), n, c.forward, c.backward, c.reason)
             )  # fmt: skip
-    cost_rows = [
+    return rows
+
+
+def _cost_rows(report: Report) -> list[tuple[Any, ...]]:
+    this = _cost_named(report, "this plan")
+    return [
         (c.name, c.forward_bytes, c.forward_count if c.forward_count is not None else "",
          c.backward_bytes, c.backward_count if c.backward_count is not None else "", c.total,
          f"{c.total / this.total:.2f}x" if this and this.total else "", c.note)
         for c in report.cost
     ]  # fmt: skip
 
+
+def _notes(report: Report) -> str:
+    """Missing graphviz, the errors of the run, the ops that fell back to a gather."""
     notes = []
     if not report.dot:
         notes.append(
@@ -235,8 +254,11 @@ def write_html(report: Report, path: Path) -> Path:
             + "<br>".join(_e(f) for f in report.plan.fallbacks)
             + "</p>"
         )
+    return "".join(notes)
 
-    legend = "".join(
+
+def _legend() -> str:
+    return "".join(
         f'<span style="background:{fill}">{_e(text)}</span>'
         for fill, text in draw.CATEGORIES.values()
     ) + (
@@ -246,6 +268,10 @@ def write_html(report: Report, path: Path) -> Path:
         f'<span style="border:3px double {draw.RECOMPUTE_COLOUR}">recomputed</span>'
         f'<span style="border:3px solid {draw.SAVED_COLOUR}">saved for backward</span>'
     )
+
+
+def _pass_sections(report: Report) -> str:
+    """Per pass: the drawn layer before and after it, and what it added."""
     passes = []
     for k, stage in enumerate(report.stages[1:], start=1):
         before = report.stages[k - 1]
@@ -262,18 +288,33 @@ def write_html(report: Report, path: Path) -> Path:
         )
     if not passes and report.stages:
         passes.append(_figure(report.stages[0], "layer", "input", "a0_"))
+    return "".join(passes)
+
+
+def _model_figures(report: Report) -> str:
+    """The whole model after the last stage; the earlier stages folded away."""
+    final = report.final()
     models = [_figure(final, "model", f"after {final.name}" if final else "", "m_")]
     others = "".join(
         _figure(s, "model", f"after {s.name}", f"m{i}_") for i, s in enumerate(report.stages[:-1])
     )
     if others:
         models.append(f"<details><summary>earlier stages</summary>{others}</details>")
+    return "".join(models)
 
+
+def _file_list(report: Report) -> str:
     stage_files = []
     for s in report.stages:
         links = " ".join(f'<a href="{_e(p.name)}">{_e(p.name)}</a>' for p in s.files.values())
         stage_files.append(f"<li>{_e(s.slug)}: {links or '—'}</li>")
+    return "".join(stage_files)
 
+
+def write_html(report: Report, path: Path) -> Path:
+    """Write ``report.html`` and return its path."""
+    b_rows, p_rows = _bottleneck_rows(report), _plan_rows(report)
+    c_rows, cost_rows = _collective_rows(report), _cost_rows(report)
     title = f"boost explain: {report.model_name} at tp={report.tp}"
     doc = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
@@ -286,7 +327,7 @@ def write_html(report: Report, path: Path) -> Path:
 <a href="#sec-collectives">collectives</a><a href="#sec-cost">cost</a><a href="#sec-passes">passes</a>
 <a href="#sec-model">model</a><a href="#sec-files">files</a></nav>
 <main>
-<section id="sec-summary"><div class="cards">{card_html}</div>{"".join(notes)}</section>
+<section id="sec-summary"><div class="cards">{_cards(report)}</div>{_notes(report)}</section>
 <section id="sec-bottlenecks"><h2>Bottlenecks ({len(report.bottlenecks)})</h2>
 {table("bottlenecks", ["#", "module", "down factor", "up factor", "d_in", "r", "d_out", "ops between"], b_rows, filterable=True)}
 <details><summary>by module</summary>{_tree(report)}</details></section>
@@ -297,9 +338,9 @@ def write_html(report: Report, path: Path) -> Path:
 <section id="sec-cost"><h2>Communication per step vs the standard plan</h2>
 {table("cost", ["plan", "fwd bytes", "fwd #", "bwd bytes", "bwd #", "total bytes", "vs this plan", "note"], cost_rows)}</section>
 <section id="sec-passes"><h2>What each pass did to {_e(report.layer or "the graph")}</h2>
-<p class="legend">{legend}</p>{"".join(passes)}</section>
-<section id="sec-model"><h2>The whole model, one box per layer</h2>{"".join(models)}</section>
-<section id="sec-files"><h2>Files</h2><ul>{"".join(stage_files)}</ul>
+<p class="legend">{_legend()}</p>{_pass_sections(report)}</section>
+<section id="sec-model"><h2>The whole model, one box per layer</h2>{_model_figures(report)}</section>
+<section id="sec-files"><h2>Files</h2><ul>{_file_list(report)}</ul>
 <p class=muted>Each stage's readable graph code: <code>graphs/graph_&lt;n&gt;/</code>.</p></section>
 </main>
 <script>{_JS}</script>

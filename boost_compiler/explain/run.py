@@ -1,10 +1,17 @@
-"""Running capture, detection and the pass pipeline on a simulated group, stage by stage."""
+"""Running capture, detection and the pass pipeline on a simulated group, stage by stage.
+
+Invariant: ``explain`` runs the backend's pipeline through the one pass driver on the
+captured copies of the model's graphs (the model is not modified, nothing runs on real
+ranks), and everything it shows of a stage (collectives per layer, drawings, node
+changes) and the plan's collectives are read off that stage's graph, never off records.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +24,15 @@ from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
 from ..costmodel import LlamaDims, cost, plan_comm
 from ..errors import BoostError
-from ..ir.capture import capture
+from ..ir.capture import CapturedGraph, capture
 from ..ir.dump import GraphDumper
 from ..ir.ops import value_of
 from ..options import BoostOptions
-from ..passes import PIPELINE, PassContext
+from ..passes import PassContext, enabled_passes, run_pipeline
+from ..tp.collectives import graph_collectives
 from ..tp.parallel import TPGroup, resolve_group
 from ..tp.placement import R
 from ..tp.plan import TPPlan
-from ..tp.propagate import Collective, ShardingPropagator
 from . import draw
 from .report import CollectiveRow, CostRow, Report, Stage
 
@@ -47,32 +54,63 @@ def simulated_group(tp: int) -> Iterator[TPGroup]:
         yield resolve_group(dist.group.WORLD)
 
 
-@contextlib.contextmanager
-def record_placements() -> Iterator[None]:
-    """Leave each node's placement in ``node.meta["boost_placement"]`` after propagation."""
-    original = ShardingPropagator.run
+@dataclass
+class _Run:
+    """What explaining the graphs of one model gathers, graph after graph."""
 
-    def run(self: ShardingPropagator) -> Any:
-        result = original(self)
-        for node, pl in self.env.items():
-            node.meta.setdefault(draw.PLACEMENT_META, pl)
-        return result
-
-    ShardingPropagator.run = run  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ShardingPropagator.run = original  # type: ignore[method-assign]
+    model_name: str
+    plan: TPPlan
+    layer: str | None  # the drawn layer
+    stages: dict[str, Stage] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    standard: CostRow | None = None
 
 
-def _recorded(ctx: PassContext) -> list[Collective] | None:
-    """The collectives the passes keep in ``ctx.notes`` (None: no pass records any)."""
-    found: list[Collective] | None = None
-    for note in ctx.notes.values():
-        colls = getattr(note, "collectives", None)
-        if isinstance(colls, list):
-            found = (found or []) + [c for c in colls if isinstance(c, Collective)]
-    return found
+class _Snapshots:
+    """The pass driver's ``on_stage`` callback for one graph: dumps the stage and adds its
+    collectives (per layer), node changes and drawings (main graph only) to its Stage."""
+
+    def __init__(self, run: _Run, g: CapturedGraph, name: str, dumper: GraphDumper,
+                 is_main: bool) -> None:  # fmt: skip
+        self.run, self.g, self.name, self.dumper, self.is_main = run, g, name, dumper, is_main
+        self.done: list[str] = []  # the stages seen, "input" first
+        self.previous: set[str] = set()  # the node names of the last stage
+
+    def __call__(self, stage_name: str, gm: fx.GraphModule, ctx: PassContext) -> None:
+        self.dumper(stage_name, gm)
+        run = self.run
+        if run.standard is None and ctx.bottlenecks:  # detected, not rewritten yet
+            run.standard = _standard_estimate(gm, ctx.bottlenecks)
+        stage = run.stages.setdefault(stage_name, Stage(len(self.done), stage_name))
+        collectives = graph_collectives(gm.graph)
+        view = draw.GraphView(
+            gm, self.g.param_names, self.g.buffer_names, collectives, ctx.bottlenecks,
+            title=f"{run.model_name} after {stage_name}", id_prefix="",
+        )  # fmt: skip
+        for c in collectives:
+            where = view.group[view.by_name[c.node]]
+            layer = f"{self.name}:{where}" if self.name else where
+            stage.collectives.append(CollectiveRow(stage_name, layer, c))
+        if self.is_main:
+            self._draw(stage, view)
+        self.done.append(stage_name)
+
+    def _draw(self, stage: Stage, view: draw.GraphView) -> None:
+        names = {n.name for n in view.nodes}
+        stage.nodes = len(names)
+        if self.done:
+            stage.added = sorted(names - self.previous, key=lambda s: view.index[view.by_name[s]])
+            stage.removed = sorted(self.previous - names)
+        self.previous = names
+        layer, model = self.run.layer, self.run.model_name
+        if layer is not None:
+            stage.layer_dot = view.layer_dot(layer, f"{layer} after {stage.name}")
+        stage.model_dot = view.model_dot(layer, f"{model} after {stage.name}: one box per layer")
+
+    def failed_pass(self, options: BoostOptions) -> str:
+        """The pass that raised: the one after the last stage seen."""
+        names = [cls.name for cls in enabled_passes(options)]
+        return names[len(self.done) - 1] if 0 < len(self.done) <= len(names) else "?"
 
 
 def _standard_estimate(gm: fx.GraphModule, bottlenecks: Sequence[Bottleneck]) -> CostRow | None:
@@ -154,91 +192,74 @@ def explain(
     opts = BoostOptions.parse(options)
     graphs = capture(model, tuple(example_inputs), example_kwargs)
     main = max(range(len(graphs)), key=lambda i: len(graphs[i].gm.graph.nodes))
-    plan = TPPlan(p=tp, group="")
-    stages: dict[str, Stage] = {}
-    errors: list[str] = []
-    standard: CostRow | None = None
-    chosen = layer
     out = Path(out_dir) if out_dir is not None else None
-    with simulated_group(tp) as group, record_placements():
-        plan.group = group.name
+    run = _Run(type(model).__name__, TPPlan(p=tp, group=""), layer)
+    with simulated_group(tp) as group:
+        run.plan.group = group.name
         for gi, g in enumerate(graphs):
-            ctx = PassContext(param_names=g.param_names, tp=group, fixed=dict(plan.params))
-            is_main = gi == main
+            if gi == main and run.layer is None:
+                run.layer = draw.GraphView(
+                    g.gm, g.param_names, g.buffer_names, ()
+                ).representative_layer()
             name = f"graph {gi}" if len(graphs) > 1 else ""
             dumper = GraphDumper(str(out / "graphs") if out else None, name=f"graph_{gi}",
                                  drawings=False)  # fmt: skip
-            if is_main and chosen is None:
-                chosen = draw.GraphView(g.gm, g.param_names, g.buffer_names).representative_layer()
-            previous: set[str] = set()
-            todo = [None, *(c for c in PIPELINE if opts.enabled(c.name))]
-            for k, cls in enumerate(todo):
-                stage_name = "input" if cls is None else cls.name
-                if cls is not None:
-                    try:
-                        cls(ctx, opts.passes[cls.name])(g.gm.graph)
-                    except BoostError:
-                        raise
-                    except Exception as err:  # a pass's bug: show it, keep what ran
-                        msg = f"pass {cls.name!r} failed on graph {gi}: {type(err).__name__}: {err}"
-                        log.error("explain: %s", msg, exc_info=True)
-                        errors.append(msg)
-                        break
-                dumper(stage_name, g.gm)
-                if standard is None and ctx.bottlenecks:
-                    standard = _standard_estimate(g.gm, ctx.bottlenecks)
-                stage = stages.setdefault(stage_name, Stage(k, stage_name))
-                records = _recorded(ctx)
-                view = draw.GraphView(
-                    g.gm, g.param_names, g.buffer_names, records, ctx.bottlenecks,
-                    title=f"{type(model).__name__} after {stage_name}", id_prefix="",
-                )  # fmt: skip
-                for node in view.nodes:  # graph order: layers in order
-                    where = view.group[node]
-                    for c in view.records.get(node.name, []):
-                        stage.collectives.append(
-                            CollectiveRow(stage_name, f"{name}:{where}" if name else where, c)
-                        )
-                if view.stale:
-                    errors.append(f"{stage_name}: recorded collectives name missing nodes "
-                                  f"{[c.node for c in view.stale]}")  # fmt: skip
-                if is_main:
-                    names = {n.name for n in view.nodes}
-                    stage.nodes = len(names)
-                    if k:
-                        stage.added = sorted(
-                            names - previous, key=lambda s: view.index[view.by_name[s]]
-                        )
-                        stage.removed = sorted(previous - names)
-                    previous = names
-                    if chosen is not None:
-                        stage.layer_dot = view.layer_dot(chosen, f"{chosen} after {stage_name}")
-                    stage.model_dot = view.model_dot(chosen, f"{type(model).__name__} after "
-                                                     f"{stage_name}: one box per layer")  # fmt: skip
-            for note in ctx.notes.values():
-                plan.params.update(getattr(note, "params", {}) or {})
-                plan.fallbacks += list(getattr(note, "fallbacks", []) or [])
-            seen = {(b.down, b.up) for b in plan.bottlenecks}
-            plan.bottlenecks += [b for b in ctx.bottlenecks if (b.down, b.up) not in seen]
-    ordered = sorted(stages.values(), key=lambda s: s.index)
-    if ordered:
-        plan.collectives = [row.collective for row in ordered[-1].collectives]
-    dtypes: dict[str, torch.dtype] = {}
-    for fqn, prm in model.named_parameters():
-        plan.param_shapes[fqn] = tuple(prm.shape)
-        plan.params.setdefault(fqn, R)
-        dtypes[fqn] = prm.dtype
-    report = Report(
-        type(model).__name__, tp, list(plan.bottlenecks), plan, dtypes, ordered, chosen,
-        _cost_rows(plan, ordered, standard, model, example_inputs, tp), len(graphs),
-        out, errors=errors,
-    )  # fmt: skip
+            _explain_graph(run, g, gi, _Snapshots(run, g, name, dumper, gi == main), group, opts)
+    report = _report(run, model, example_inputs, tp, len(graphs), out)
     report.seconds = time.perf_counter() - t0
     if out is not None:
         _write(report)
         report.seconds = time.perf_counter() - t0
     log.info("explain: %s, tp=%d, %.1f s", report.model_name, tp, report.seconds)
     return report
+
+
+def _explain_graph(
+    run: _Run, g: CapturedGraph, gi: int, snapshots: _Snapshots, group: TPGroup,
+    opts: BoostOptions,
+) -> None:  # fmt: skip
+    """Run the pipeline on one graph, snapshotting each stage; fold its results into the plan.
+
+    A pass that fails with anything but a BoostError (a pass's bug) is reported and
+    ends this graph's pipeline; the stages before it are kept.
+    """
+    plan = run.plan
+    ctx = PassContext(param_names=g.param_names, tp=group, fixed=dict(plan.params))
+    try:
+        run_pipeline(g.gm, ctx, opts, on_stage=snapshots)
+    except BoostError:
+        raise
+    except Exception as err:  # noqa: BLE001 - shown in the report, the other stages kept
+        failed = snapshots.failed_pass(opts)
+        msg = f"pass {failed!r} failed on graph {gi}: {type(err).__name__}: {err}"
+        log.error("explain: %s", msg, exc_info=True)
+        run.errors.append(msg)
+    for note in ctx.notes.values():
+        plan.params.update(getattr(note, "params", {}) or {})
+        plan.fallbacks += list(getattr(note, "fallbacks", []) or [])
+        plan.decisions += list(getattr(note, "decisions", []) or [])
+    seen = {(b.down, b.up) for b in plan.bottlenecks}
+    plan.bottlenecks += [b for b in ctx.bottlenecks if (b.down, b.up) not in seen]
+    plan.collectives += graph_collectives(g.gm.graph)
+
+
+def _report(
+    run: _Run, model: nn.Module, example_inputs: Sequence[Any], tp: int, n_graphs: int,
+    out: Path | None,
+) -> Report:  # fmt: skip
+    """The report: the plan completed with every parameter's shape, placement and dtype."""
+    plan = run.plan
+    dtypes: dict[str, torch.dtype] = {}
+    for fqn, prm in model.named_parameters():
+        plan.param_shapes[fqn] = tuple(prm.shape)
+        plan.params.setdefault(fqn, R)
+        dtypes[fqn] = prm.dtype
+    stages = sorted(run.stages.values(), key=lambda s: s.index)
+    return Report(
+        run.model_name, tp, list(plan.bottlenecks), plan, dtypes, stages, run.layer,
+        _cost_rows(plan, stages, run.standard, model, example_inputs, tp), n_graphs,
+        out, errors=run.errors,
+    )  # fmt: skip
 
 
 def _cost_rows(

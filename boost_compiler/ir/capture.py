@@ -21,6 +21,7 @@ from torch import nn
 
 from .._logging import get_logger
 from ..errors import BoostError, CaptureError, MutationError, UncompiledFrameError
+from ..tp.shadow import shadow_param
 
 log = get_logger(__name__)
 
@@ -90,8 +91,9 @@ def placeholder_names(
             continue
         if not isinstance(value, torch.Tensor):
             continue
-        if hasattr(value, "_boost_fqn"):  # a parallelized model's global-shape placeholder
-            params[node.name] = value._boost_fqn
+        record = shadow_param(value)
+        if record is not None:  # a parallelized model's global-shape placeholder
+            params[node.name] = record.fqn
             continue
         grapharg = node.meta.get("grapharg")
         source = getattr(grapharg, "source", None)

@@ -1,18 +1,14 @@
-"""Dump each pass's graph while ``torch.compile(..., backend="boost")`` runs.
+"""Dump each pass's graph while the boost pipeline runs (``diff`` shows what a pass did).
 
-Set ``BOOST_DUMP_DIR=/some/dir`` (or the backend option ``dump_dir``) and every
-compiled graph gets a folder ``<dir>/graph_<n>/`` with ``00_input.py``, then
-one ``<i>_<pass>.py`` per pass that ran: the readable code of the graph after
-that pass, so ``diff`` shows exactly what a pass changed on your model. Beside
-each ``.py``: ``<i>_<pass>.layers.dot`` (the graph collapsed to one box per
-layer) and ``<i>_<pass>.dot`` (every node, coloured by placement, collectives
-as hexagons) for graphs of at most :data:`MAX_FULL_NODES` nodes, each with
-its ``.svg`` when graphviz's ``dot`` is installed.
-
-With torch's structured trace on (``TORCH_TRACE=/tmp/trace``), each stage is
-also emitted as an artifact ``boost_<i>_<pass>`` (the readable code), so
-``tlparse`` lists the boost passes beside dynamo's and Inductor's graphs. That
-costs nothing when tracing is off.
+Invariant: a :class:`GraphDumper` is a pass driver's ``on_stage`` callback for one
+graph; with the backend option ``dump_dir`` (or ``BOOST_DUMP_DIR``) set it writes,
+under ``<dir>/graph_<n>/``, one ``<i>_<stage>.py`` per stage (``00_input.py``, then
+each pass that ran: the graph's readable code), with ``<i>_<stage>.layers.dot``
+(one box per layer) and, up to :data:`MAX_FULL_NODES` nodes, ``<i>_<stage>.dot``
+(every node, coloured by placement, collectives as hexagons) and their ``.svg``
+when graphviz's ``dot`` is installed; with torch's structured trace on
+(``TORCH_TRACE``) each stage is also an artifact ``boost_<i>_<stage>`` for
+``tlparse``; with neither, it costs nothing.
 """
 
 from __future__ import annotations
@@ -56,8 +52,8 @@ class GraphDumper:
         self.step = 0
 
     def __call__(self, stage: str, gm: fx.GraphModule, ctx: object = None) -> None:
-        """Dump ``gm`` as it is after ``stage``; ``ctx`` (a PassContext) adds the recorded
-        collectives and bottlenecks to the drawings."""
+        """Dump ``gm`` as it is after ``stage`` (a pass driver's ``on_stage`` callback);
+        ``ctx`` (a PassContext) adds parameter names and bottlenecks to the drawings."""
         trace = tracing()
         if self.dir is None and not trace:
             return
@@ -82,6 +78,7 @@ class GraphDumper:
 
     def _draw(self, slug: str, stage: str, gm: fx.GraphModule, ctx: object) -> None:
         from ..explain import draw
+        from ..tp.collectives import graph_collectives
 
         assert self.dir is not None
         params = dict(getattr(ctx, "param_names", None) or {})
@@ -93,13 +90,8 @@ class GraphDumper:
                 fqn = fqn_from_source(source.name) if source is not None else None
                 if n.op == "placeholder" and fqn:
                     params[n.name] = fqn
-        records = None
-        for note in (getattr(ctx, "notes", None) or {}).values():
-            colls = getattr(note, "collectives", None)
-            if isinstance(colls, list):
-                records = (records or []) + colls
         view = draw.GraphView(
-            gm, params, None, records, getattr(ctx, "bottlenecks", ()) or (),
+            gm, params, None, graph_collectives(gm.graph), getattr(ctx, "bottlenecks", ()) or (),
             title=f"{self.name} after {stage}",
         )  # fmt: skip
         draw.render(view.model_dot(), self.dir / f"{slug}.layers.dot")

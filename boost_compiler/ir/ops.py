@@ -9,13 +9,13 @@ the op and the fake-tensor shapes, never from module or parameter names.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
+
+from .op_table import op_kind
 
 
 def value_of(node: Any) -> Any:
@@ -48,13 +48,10 @@ def op_name(node: fx.Node) -> str:
 
 # --- contractions ---------------------------------------------------------
 
-_LINEAR = {F.linear, torch._C._nn.linear}
-_MATMUL_FN = {torch.matmul, operator.matmul, torch.mm}
-_MATMUL_METHOD = {"matmul", "__matmul__", "mm"}
+_CONTRACTIONS = {"linear", "matmul", "mm", "addmm"}
 # Ops through which a weight still "is" the parameter (dtype casts, views of
 # the same matrix). A transpose flips which side is d_in.
-_WEIGHT_CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "contiguous"}
-_WEIGHT_TRANSPOSE = {"t", "T", "mT"}
+_WEIGHT_CASTS = {"cast", "type_as", "contiguous"}
 
 
 @dataclass(frozen=True)
@@ -80,27 +77,24 @@ def _weight_placeholder(node: Any, params: set[str]) -> tuple[fx.Node, bool] | N
     while isinstance(node, fx.Node):
         if node.op == "placeholder":
             return (node, transposed) if node.name in params else None
-        if node.op == "call_method" and node.target in _WEIGHT_CASTS:
+        kind = op_kind(node)
+        if kind in _WEIGHT_CASTS:
             node = node.args[0]
-        elif node.op == "call_method" and node.target in _WEIGHT_TRANSPOSE:
-            transposed = not transposed
-            node = node.args[0]
-        elif (
-            node.op == "call_function"
-            and node.target is getattr
-            and node.args[1]
-            in (
-                "T",
-                "mT",
-            )
-        ):
-            transposed = not transposed
-            node = node.args[0]
-        elif node.op == "call_method" and node.target == "transpose" and _is_swap_2d(node):
+        elif kind == "t" or (kind == "transpose" and _is_swap_2d(node)):
             transposed = not transposed
             node = node.args[0]
         else:
             return None
+    return None
+
+
+def weight_step(node: fx.Node) -> str | None:
+    """``"same"`` for a cast or copy of a weight, ``"transpose"`` for a 2-D transpose, else None."""
+    kind = op_kind(node)
+    if kind in _WEIGHT_CASTS:
+        return "same"
+    if kind == "t" or (kind == "transpose" and _is_swap_2d(node)):
+        return "transpose"
     return None
 
 
@@ -114,31 +108,23 @@ def as_contraction(node: fx.Node, params: set[str]) -> Contraction | None:
 
     ``params`` holds the names of placeholder nodes that are parameters.
     """
-    if node.op == "call_function" and node.target in _LINEAR:
+    kind = op_kind(node)
+    if kind not in _CONTRACTIONS:
+        return None
+    if kind == "linear":
         x, w = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        found = _weight_placeholder(w, params)
-        if found is None or not isinstance(x, fx.Node):
-            return None
-        ph, transposed = found
-        return _make(node, x, ph, b, "in_out" if transposed else "out_in")
-    if (node.op == "call_function" and node.target in _MATMUL_FN) or (
-        node.op == "call_method" and node.target in _MATMUL_METHOD
-    ):
-        x, w = node.args[0], node.args[1]
-        found = _weight_placeholder(w, params)
-        if found is None or not isinstance(x, fx.Node):
-            return None
-        ph, transposed = found
-        return _make(node, x, ph, None, "out_in" if transposed else "in_out")
-    if node.op == "call_function" and node.target is torch.addmm:
+    elif kind == "addmm":
         b, x, w = node.args[:3]
-        found = _weight_placeholder(w, params)
-        if found is None or not isinstance(x, fx.Node):
-            return None
-        ph, transposed = found
-        return _make(node, x, ph, b, "out_in" if transposed else "in_out")
-    return None
+    else:
+        x, w, b = node.args[0], node.args[1], None
+    found = _weight_placeholder(w, params)
+    if found is None or not isinstance(x, fx.Node):
+        return None
+    ph, transposed = found
+    # nn.Linear stores [out, in]; x @ W and addmm read W as [in, out].
+    layout = "out_in" if (kind == "linear") != transposed else "in_out"
+    return _make(node, x, ph, b, layout)
 
 
 def _make(node: fx.Node, x: fx.Node, ph: fx.Node, bias: Any, layout: str) -> Contraction | None:
@@ -154,21 +140,14 @@ def _make(node: fx.Node, x: fx.Node, ph: fx.Node, bias: Any, layout: str) -> Con
 
 # --- element-wise ops -----------------------------------------------------
 
-_UNARY_FN = {
-    F.silu, F.gelu, F.relu, F.leaky_relu, F.elu, F.mish, F.dropout, F.tanh, F.sigmoid,
-    torch.sigmoid, torch.tanh, torch.relu, torch._C._nn.gelu, torch.nn.functional.hardswish,
-    torch.clone, torch.neg,
+_ELEMENTWISE = {
+    "silu", "gelu", "relu", "leaky_relu", "elu", "mish", "dropout", "tanh", "sigmoid",
+    "hardswish", "clone", "neg", "cast", "type_as", "contiguous", "detach",
+    "add", "sub", "mul", "div",
 }  # fmt: skip
-_BINARY_FN = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
-    torch.add, torch.sub, torch.mul, torch.div,
-}  # fmt: skip
-_UNARY_METHOD = {
-    "to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone",
-    "silu", "relu", "sigmoid", "tanh", "neg", "detach",
-}  # fmt: skip
-_BINARY_METHOD = {"add", "sub", "mul", "div", "__add__", "__mul__", "__sub__", "__truediv__"}
-_VIEW_METHOD = {"view", "reshape", "flatten", "unsqueeze"}
+# Function spellings (torch.flatten(x, 0, 1)) would qualify as well; detection never
+# took them, and widening it would move bottlenecks in existing plans.
+_LAST_DIM_VIEW_METHODS = {"view", "reshape", "flatten", "unsqueeze"}
 
 
 def is_elementwise_on_last_dim(node: fx.Node) -> bool:
@@ -181,16 +160,12 @@ def is_elementwise_on_last_dim(node: fx.Node) -> bool:
     out = shape_of(node)
     if not out:
         return False
-    if node.op == "call_function":
-        if node.target in _UNARY_FN or node.target in _BINARY_FN:
-            return _operands_broadcast(node, out)
-        return False
-    if node.op == "call_method":
-        if node.target in _UNARY_METHOD or node.target in _BINARY_METHOD:
-            return _operands_broadcast(node, out)
-        if node.target in _VIEW_METHOD:
-            src = shape_of(node.args[0])
-            return bool(src) and src[-1] == out[-1]
+    kind = op_kind(node)
+    if kind in _ELEMENTWISE:
+        return _operands_broadcast(node, out)
+    if kind in _LAST_DIM_VIEW_METHODS and node.op == "call_method":
+        src = shape_of(node.args[0])
+        return bool(src) and src[-1] == out[-1]
     return False
 
 
@@ -203,7 +178,3 @@ def _operands_broadcast(node: fx.Node, out: tuple[Any, ...]) -> bool:
             if len(s) > len(out):
                 return False
     return True
-
-
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    return [a for a in node.all_input_nodes if isinstance(value_of(a), torch.Tensor)]

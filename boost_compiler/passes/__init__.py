@@ -1,8 +1,10 @@
-"""The boost pass pipeline, in the order the backend runs it.
+"""The boost pass pipeline, in the order every caller runs it.
 
-Each pass is one module here; its docstring states the invariant it keeps.
-A pass is switched off with ``torch.compile(m, backend="boost",
-options={"<name>": False})``.
+Invariant: :data:`PIPELINE` is the one order of the passes, and
+:func:`~boost_compiler.passes.driver.run_pipeline` the one loop that runs it (the
+backend, ``parallelize`` and ``explain`` all call it). Each pass is one module here
+whose docstring states the invariant it keeps; a pass is switched off with
+``torch.compile(m, backend="boost", options={"<name>": False})``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from .base import BoostPass, PassContext
 from .btp import BottleneckTP
 from .checkpoint import Checkpoint
 from .detect_bottlenecks import DetectBottlenecks
+from .driver import OnStage, enabled_passes, run_pipeline
 from .functionalize import Functionalize
 from .group_linears import GroupLinears
 from .inline_regions import InlineRegions
@@ -27,12 +30,12 @@ PIPELINE: tuple[type[BoostPass], ...] = (
 )
 # Run before any analysis: what detection and the sharding rules may assume of a graph.
 FRONT: tuple[type[BoostPass], ...] = (InlineRegions, Functionalize)
-# What parallelize() runs on its captured graphs to build the plan (detection aside).
-TP_PASSES: tuple[type[BoostPass], ...] = (BottleneckTP, GroupLinears, OnlineNorm)
+# What a parallelized model cannot do without: the rewrite to shards and what it assumes.
+TP_REQUIRED: tuple[str, ...] = ("inline_regions", "functionalize", "detect_bottlenecks", "btp")
 
 __all__ = [
     "PIPELINE",
-    "TP_PASSES",
+    "TP_REQUIRED",
     "BoostPass",
     "BottleneckTP",
     "Checkpoint",
@@ -41,6 +44,9 @@ __all__ = [
     "Functionalize",
     "GroupLinears",
     "InlineRegions",
+    "OnStage",
     "OnlineNorm",
     "PassContext",
+    "enabled_passes",
+    "run_pipeline",
 ]

@@ -3,8 +3,8 @@
 After ``btp`` a row-parallel contraction is a ``F.linear``/``matmul`` node whose
 only user is a ``reduce_from_tp`` node (Megatron's g), and a column-parallel
 one reads its replicated input through a ``copy_to_tp`` node (f). The passes
-that merge collectives find those shapes structurally, rewrite, and keep the
-plan's list of collectives in step with the graph.
+that merge collectives find those shapes structurally and rewrite them; the
+plan reads the merged collectives off the rewritten graph.
 """
 
 from __future__ import annotations
@@ -16,15 +16,14 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
+from ..ir.op_table import function_spellings, op_kind
 from ..ir.ops import value_of
 from ..tp import collectives as C
-from ..tp.propagate import Collective, ShardingResult
-from .base import PassContext
 
-LINEAR = (F.linear,)
-MATMUL = (torch.matmul, operator.matmul)
+# The targets a rewritten contraction has (group_linears matches on them).
+LINEAR = function_spellings("linear")
+MATMUL = function_spellings("matmul")
 
 
 def is_reduce(node: fx.Node) -> bool:
@@ -45,15 +44,16 @@ def weight_arg(node: fx.Node) -> Any:
     """The weight expression of a plain ``F.linear(x, w[, b])`` or ``x @ w`` node."""
     if node.op != "call_function":
         return None
-    if node.target in LINEAR:
+    kind = op_kind(node)
+    if kind == "linear":
         return node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-    if node.target in MATMUL:
+    if kind == "matmul":
         return node.args[1]
     return None
 
 
 def bias_arg(node: fx.Node) -> Any:
-    if node.target in LINEAR:
+    if op_kind(node) == "linear":
         return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     return None
 
@@ -76,18 +76,6 @@ def split_uses(graph: fx.Graph, whole: fx.Node, sizes: list[int], olds: list[fx.
             piece = graph.call_function(operator.getitem, (parts, i))
         old.replace_all_uses_with(piece)
         anchor = piece
-
-
-def btp_result(ctx: PassContext) -> ShardingResult | None:
-    return ctx.notes.get("btp")
-
-
-def replace_records(ctx: PassContext, removed: set[str], added: list[Collective]) -> None:
-    """Keep the plan's collective list equal to what the graph now does."""
-    result = btp_result(ctx)
-    if result is None:
-        return
-    result.collectives[:] = [c for c in result.collectives if c.node not in removed] + added
 
 
 def finish(gm: fx.GraphModule) -> None:

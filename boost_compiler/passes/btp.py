@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .._logging import get_logger
+from ..tp import rules
+from ..tp.collectives import graph_collectives
 from ..tp.propagate import ShardingPropagator
 from .base import BoostPass
 
@@ -27,8 +29,7 @@ class BottleneckTP(BoostPass):
     # The rewritten graph calls into these by name: their code is part of the result.
     depends_on = (
         "boost_compiler.tp.propagate",
-        "boost_compiler.tp.rules.core",
-        "boost_compiler.tp.rules.vocab",
+        *rules.MODULES,
         "boost_compiler.tp.kernels",
         "boost_compiler.tp.collectives",
     )
@@ -49,8 +50,9 @@ class BottleneckTP(BoostPass):
             self.ctx.fixed,
         ).run()
         self.ctx.notes["btp"] = result
-        fwd = sum(c.forward for c in result.collectives)
-        bwd = sum(c.backward for c in result.collectives)
+        collectives = graph_collectives(graph)
+        fwd = sum(c.forward for c in collectives)
+        bwd = sum(c.backward for c in collectives)
         log.info(
             "btp: tp=%d, %d forward / %d backward collective(s), %d fallback(s)",
             tp.size,

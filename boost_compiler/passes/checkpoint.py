@@ -37,18 +37,12 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._logging import get_logger
+from ..ir.op_table import op_kind
 from ..tp import collectives as C
-from ..tp import kernels as tp_ops
 from .base import BoostPass
 
 log = get_logger(__name__)
 
-# Nodes whose forward communicates (the tp_ops ones all-reduce inside).
-COMMUNICATING = (
-    C.reduce_from_tp, C.gather_from_tp, C.all_reduce_sum,
-    tp_ops.online_rms_norm_reduce, tp_ops.online_layer_norm_reduce,
-    tp_ops.sharded_rms_norm, tp_ops.sharded_layer_norm, tp_ops.sharded_sum, tp_ops.sharded_mean,
-)  # fmt: skip
 _LAYER = re.compile(r"^(.*?[.\[]\d+\]?)(?:[.\[]|$)")
 
 
@@ -90,18 +84,14 @@ class Checkpoint(BoostPass):
 
 
 def is_communicating(node: fx.Node) -> bool:
+    """Whether the node's forward communicates (the table of tp/collectives.py says)."""
     if node.op != "call_function":
         return False
-    if node.target in COMMUNICATING:
+    if C.forward_communicating(node):
         return True
     # An element of a multi-output collective (the fused online-norm result).
     src = node.args[0] if node.args else None
-    return (
-        getattr(node.target, "__name__", "") == "getitem"
-        and isinstance(src, fx.Node)
-        and src.op == "call_function"
-        and src.target in COMMUNICATING
-    )
+    return op_kind(node) == "getitem" and isinstance(src, fx.Node) and C.forward_communicating(src)
 
 
 def layer_of_nodes(graph: fx.Graph) -> dict[fx.Node, str]:

@@ -1,10 +1,10 @@
 """Pass ``detect_bottlenecks``: find the low-rank factor pairs and tag them.
 
-Invariant: the graph's computation is unchanged; afterwards every node that
-is a factor of a bottleneck carries ``node.meta["boost"] = {"role": "down" |
-"up", "bottleneck": i}`` and ``ctx.bottlenecks[i]`` describes it. Later passes
-act only on tagged nodes, so switching this pass off (``options=
-{"detect_bottlenecks": False}``) makes the backend plain Inductor.
+Invariant: the graph's computation is unchanged; afterwards ``ctx.bottlenecks``
+lists every bottleneck, and its factor nodes carry ``node.meta["boost"] =
+{"role": "down" | "up", "bottleneck": i}`` (for drawings and dumps only). Later
+passes act only on the factors ``ctx.bottlenecks`` names, so switching this pass
+off (``options={"detect_bottlenecks": False}``) makes the backend plain Inductor.
 """
 
 from __future__ import annotations

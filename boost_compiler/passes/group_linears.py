@@ -33,7 +33,6 @@ from .._logging import get_logger
 from ..ir.ops import value_of
 from ..tp import collectives as C
 from ..tp import kernels as tp_ops
-from ..tp.propagate import Collective
 from ._rewrite import (
     LINEAR,
     MATMUL,
@@ -42,7 +41,6 @@ from ._rewrite import (
     is_copy,
     last_size,
     reduce_of,
-    replace_records,
     split_uses,
     weight_arg,
 )
@@ -61,24 +59,15 @@ class GroupLinears(BoostPass):
         tp = self.ctx.tp
         ups_of = {b.down_node: b.up_node for b in self.ctx.bottlenecks}
         by_name = {n.name: n for n in graph.nodes}
-        removed: set[str] = set()
-        added: list[Collective] = []
         groups = 0
         for x, downs in _siblings(graph, set(ups_of), tp is not None).items():
             ups = [by_name[ups_of[d.name]] for d in downs if ups_of[d.name] in by_name]
-            merged = _group_downs(graph, x, downs, tp)
-            if merged is False:
+            if not _group_downs(graph, x, downs, tp):
                 continue
             groups += 1
-            if merged is not None:
-                removed |= merged[0]
-                added.append(merged[1])
-            up_merge = _group_ups(graph, ups, tp) if len(ups) == len(downs) else None
-            if up_merge:
-                removed |= up_merge[0]
-                added.append(up_merge[1])
+            if len(ups) == len(downs):
+                _group_ups(graph, ups, tp)
         if groups:
-            replace_records(self.ctx, removed, added)
             finish(gm)
         log.info("group_linears: %d group(s) of sibling factors", groups)
 
@@ -101,11 +90,8 @@ def _siblings(graph: fx.Graph, downs: set[str], tp: bool) -> dict[fx.Node, list[
     return out
 
 
-def _group_downs(
-    graph: fx.Graph, x: fx.Node, downs: list[fx.Node], tp: object
-) -> tuple[set[str], Collective] | None | bool:
-    """One GEMM (and under tp one all-reduce); the merged records, None on one
-    process, False when the group cannot be formed."""
+def _group_downs(graph: fx.Graph, x: fx.Node, downs: list[fx.Node], tp: object) -> bool:
+    """One GEMM (and under tp one all-reduce); False when the group cannot be formed."""
     sizes = [last_size(d) for d in downs]
     if None in sizes:
         return False
@@ -124,39 +110,37 @@ def _group_downs(
     if tp is None:
         split_uses(graph, y, sizes, downs)
         _erase(graph, downs)
-        return None
+        return True
     reduces = [reduce_of(d) for d in downs]
     with graph.inserting_after(y):
         reduced = graph.call_function(C.reduce_from_tp, (y, reduces[0].args[1]))
+    reduced.meta["example_value"] = y.meta["example_value"]
+    reduced.meta[C.WHY_META] = "grouped row-parallel"  # the plan reads the graph: say why
     split_uses(graph, reduced, sizes, reduces)
     _erase(graph, reduces + downs)
-    v = value_of(first)
-    record = Collective(
-        "all_reduce", reduced.name, (*v.shape[:-1], sum(sizes)), v.dtype, True, False,
-        "grouped row-parallel",
-    )  # fmt: skip
-    return {r.name for r in reduces}, record
+    return True
 
 
-def _group_ups(
-    graph: fx.Graph, ups: list[fx.Node], tp: object
-) -> tuple[set[str], Collective] | None:
+def _group_ups(graph: fx.Graph, ups: list[fx.Node], tp: object) -> None:
     """One f for the siblings' latents; one bmm where their weights have one shape."""
     if any(weight_arg(u) is None or u.target not in LINEAR + MATMUL for u in ups):
-        return None
+        return
     inputs = [u.args[0] for u in ups]
     copies = [i for i in inputs if is_copy(i)]
     if tp is not None and len(copies) != len(ups):
-        return None
+        return
     latents = [c.args[0] for c in copies] if tp is not None else inputs
     sizes = [last_size(h) for h in latents]
     if None in sizes:
-        return None
+        return
     last = max(ups, key=_position)
     with graph.inserting_before(last):
         cat = graph.call_function(torch.cat, (latents, -1))
         whole = graph.call_function(C.copy_to_tp, (cat, copies[0].args[1])) if copies else cat
         parts = graph.call_function(torch.split, (whole, sizes, -1))
+    cat.meta["example_value"] = whole.meta["example_value"] = _cat_values(latents)
+    if whole is not cat:
+        whole.meta[C.WHY_META] = "grouped column-parallel (f)"
     pieces = []
     for i, up in enumerate(ups):
         with graph.inserting_before(last):
@@ -166,14 +150,6 @@ def _group_ups(
     for c in copies:
         if not c.users:
             graph.erase_node(c)
-    if tp is None:
-        return None
-    v = value_of(latents[0])
-    record = Collective(
-        "all_reduce", whole.name, (*v.shape[:-1], sum(sizes)), v.dtype, False, True,
-        "grouped column-parallel (f)",
-    )  # fmt: skip
-    return {c.name for c in copies}, record
 
 
 def _batch_same_shape(
@@ -203,11 +179,17 @@ def _batch_same_shape(
 
 
 def _cat_values(nodes: list[fx.Node]) -> object:
-    """The fake value of the concatenated output (shapes for later passes and records)."""
+    """The value of the nodes concatenated on the last dim: the payload the plan reads off
+    a merged collective, and the shapes later passes read."""
     values = [value_of(n) for n in nodes]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return None
     fake_mode = getattr(values[0], "fake_mode", None)
     if fake_mode is None or any(getattr(v, "fake_mode", None) is not fake_mode for v in values):
-        return None
+        # No common fake mode (meta values): only shape, dtype and requires_grad matter.
+        v = values[0]
+        shape = (*v.shape[:-1], sum(x.shape[-1] for x in values))
+        return torch.empty(shape, dtype=v.dtype, device="meta", requires_grad=v.requires_grad)
     with fake_mode:
         return torch.cat(values, -1)
 

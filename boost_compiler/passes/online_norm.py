@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
 from .._logging import get_logger
-from ..ir.ops import value_of
 from ..tp import kernels as tp_ops
-from ..tp.propagate import Collective
-from ._rewrite import finish, reduce_of, replace_records, weight_arg
+from ._rewrite import finish, reduce_of, weight_arg
 from .base import BoostPass
 
 log = get_logger(__name__)
@@ -45,8 +42,7 @@ class OnlineNorm(BoostPass):
             return
         gm = graph.owning_module
         assert gm is not None
-        removed: set[str] = set()
-        added: list[Collective] = []
+        fused = 0
         for norm in [n for n in graph.nodes if n.op == "call_function" and n.target in _NORMS]:
             downs = list(norm.users)
             if not downs or not all(_is_partial_of(d, norm) for d in downs):
@@ -57,23 +53,18 @@ class OnlineNorm(BoostPass):
                     [d.name for d in downs],
                 )
                 continue
-            record = _fuse(graph, norm, downs)
-            if record is not None:
-                removed |= {norm.name, *record[0]}
-                added.append(record[1])
-        if added:
-            replace_records(self.ctx, removed, added)
+            fused += _fuse(graph, norm, downs)
+        if fused:
             finish(gm)
-        log.info("online_norm: %d norm(s) merged into their down factors' all-reduce", len(added))
+        log.info("online_norm: %d norm(s) merged into their down factors' all-reduce", fused)
 
 
 def _is_partial_of(node: fx.Node, norm: fx.Node) -> bool:
     return weight_arg(node) is not None and node.args[0] is norm and reduce_of(node) is not None
 
 
-def _fuse(
-    graph: fx.Graph, norm: fx.Node, downs: list[fx.Node]
-) -> tuple[set[str], Collective] | None:
+def _fuse(graph: fx.Graph, norm: fx.Node, downs: list[fx.Node]) -> bool:
+    """One all-reduce for the downs' partials and the norm's statistics; False: kept."""
     rms = norm.target is tp_ops.sharded_rms_norm
     if rms:
         x, w, eps, d, group = norm.args
@@ -81,7 +72,7 @@ def _fuse(
     else:
         x, w, b, eps, d, group = norm.args
         if w is None:
-            return None  # no weight: w @ A would need a ones vector; rare, keep it simple
+            return False  # no weight: w @ A would need a ones vector; rare, keep it simple
     reduces = [reduce_of(n) for n in downs]
     with graph.inserting_before(downs[0]):
         xw = graph.call_function(operator.mul, (x, w)) if w is not None else x
@@ -107,12 +98,4 @@ def _fuse(
         r.replace_all_uses_with(piece)
         graph.erase_node(r)
     graph.erase_node(norm)
-    v = value_of(x)
-    r_total = sum(value_of(n).shape[-1] for n in downs)
-    stats = 1 if rms else 2
-    shape = (*v.shape[:-1], r_total + stats)
-    record = Collective(
-        "all_reduce", fused.name, shape, torch.float32, True, False,
-        "online norm + row-parallel",
-    )  # fmt: skip
-    return {r.name for r in reduces}, record
+    return True

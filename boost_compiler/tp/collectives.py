@@ -1,63 +1,41 @@
-"""Tensor-parallel communication primitives the compiler inserts into dynamo graphs.
+"""Tensor-parallel communication primitives, and the one table of what each communicates.
 
-Each primitive takes a tensor and a process-group *name* (a plain ``str``, e.g.
-``pg.group_name`` or :func:`group_name_of`). A string is a constant for every
-tracer: dynamo, ``make_fx`` under AOTAutograd and Inductor keep it as a literal
-argument of the ``_c10d_functional`` ops, so the same FX node runs eagerly and
-under ``torch._inductor.compile_fx.compile_fx``.
-
-The forward and backward communication are written with the raw functional
-collectives (``torch.ops._c10d_functional.all_reduce`` / ``all_gather_into_tensor``
-followed by ``wait_tensor``). When AOTAutograd traces a graph that calls one of
-these primitives, the custom ``torch.autograd.Function`` is simply executed on
-fake tensors, so the forward and backward graphs it produces contain the
-collectives as ordinary ``_c10d_functional`` nodes (no opaque custom op, no
-higher-order op). Inductor then lowers them like any other functional
-collective (in-place ``all_reduce_`` on a buffer, bucketing, reordering).
-
-Why ``autograd.Function`` (measured on torch 2.13, CPU, gloo and fake group):
-
-* the detach trick for g (``ar(x.detach()) + (x - x.detach())``) also gives plain
-  nodes, but leaves ``detach, sub, add`` in the forward graph, and turns an
-  ``inf`` in ``x`` into ``nan``; f has no such trick without a forward collective.
-* ``torch.library.custom_op`` + ``register_autograd`` shows a named, opaque
-  node in the forward graph (the collective hidden inside it) and forces a
-  copy for f, whose output may not alias its input.
-* user code calling a primitive under ``torch.compile`` gets a
-  ``higher_order.autograd_function_apply`` node in the *dynamo* graph (the
-  collective inside ``fwd_body``/``bwd_body``); AOT inlines it, so the AOT and
-  Inductor graphs again hold plain collectives, but AOTAutograd's cache is
-  bypassed for such graphs. Nodes inserted by the compiler see none of this.
-
-Gradient conventions (Megatron): a tensor is either *replicated* (every rank
-holds the same value and computes the same thing from it) or *rank-varying*
-(sharded or a partial sum). The loss is replicated, so the gradient of a
-replicated tensor is the same on every rank and must not be summed again.
-
-Pitfall recorded here: in torch 2.13 ``_c10d_functional.all_reduce`` carries an
-autograd formula whose backward is another all-reduce, and
-``all_gather_into_tensor``'s backward is a reduce-scatter. Those are right only
-when the consumer is rank-varying; for Megatron's g (replicated consumer) they
-multiply gradients by the world size. Hence the custom functions below.
+Invariant: every collective the compiler puts into a graph is a call of a
+primitive registered in :data:`COMMUNICATION` (below, or in ``kernels.py``),
+whose rows give the kind, direction (forward, backward) and payload of each
+collective one call performs; :func:`graph_collectives` reads a graph's
+collectives off its nodes through that table, so the graph is their only
+record. Each primitive takes a tensor and a process-group *name* (a ``str``:
+a literal for dynamo, ``make_fx`` and Inductor alike, so one FX node runs
+eagerly and compiled) and gives exact values and gradients under Megatron's
+conventions (see "autograd functions").
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
+
+from ..ir.ops import value_of
 
 __all__ = [
+    "COMMUNICATION",
+    "Collective",
+    "Comm",
     "all_reduce_sum",
+    "communicates",
     "copy_to_tp",
     "fake_process_group",
+    "forward_communicating",
     "gather_from_tp",
+    "graph_collectives",
     "group_name_of",
-    "mark_aot_cacheable",
     "reduce_from_tp",
     "scatter_to_tp",
 ]
@@ -147,6 +125,35 @@ def _local_slice(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tens
 # ----------------------------------------------------------------------------
 # autograd functions
 # ----------------------------------------------------------------------------
+# The communication is written with the raw functional collectives (all_reduce /
+# all_gather_into_tensor, then wait_tensor). AOTAutograd executes a custom
+# autograd.Function on fake tensors, so its forward and backward graphs hold
+# the collectives as ordinary _c10d_functional nodes (no opaque custom op, no
+# higher-order op), which Inductor lowers like any other (in-place all_reduce_
+# on a buffer, bucketing, reordering).
+#
+# Why autograd.Function (measured on torch 2.13, CPU, gloo and fake group):
+# * the detach trick for g (ar(x.detach()) + (x - x.detach())) also gives plain
+#   nodes, but leaves detach, sub, add in the forward graph and turns an inf in
+#   x into nan; f has no such trick without a forward collective.
+# * torch.library.custom_op + register_autograd shows a named, opaque node in
+#   the forward graph (the collective hidden inside it) and forces a copy for
+#   f, whose output may not alias its input.
+# * user code calling a primitive under torch.compile gets a
+#   higher_order.autograd_function_apply node in the dynamo graph; AOT inlines
+#   it, but AOTAutograd's cache is bypassed for such graphs. Nodes inserted by
+#   the compiler see none of this.
+#
+# Gradient conventions (Megatron): a tensor is either replicated (every rank
+# holds the same value and computes the same thing from it) or rank-varying
+# (sharded or a partial sum). The loss is replicated, so the gradient of a
+# replicated tensor is the same on every rank and must not be summed again.
+#
+# Pitfall: in torch 2.13 _c10d_functional.all_reduce carries an autograd
+# formula whose backward is another all-reduce, and all_gather_into_tensor's
+# backward is a reduce-scatter. Those are right only when the consumer is
+# rank-varying; for Megatron's g (replicated consumer) they multiply gradients
+# by the world size. Hence these functions.
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -193,10 +200,134 @@ class _ScatterToTP(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------
+# the table: what each primitive communicates, read off a graph
+# ----------------------------------------------------------------------------
+
+#: ``(global shape, dtype)`` of one collective's payload at a node, or None when
+#: the node does not communicate after all (a scatter of a tensor without grad).
+Payload = Callable[[fx.Node], "tuple[tuple[Any, ...], torch.dtype] | None"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a graph performs per call, for the plan, the cost model and explain.
+
+    The payload (``global_shape``, ``dtype``) is the reduced or gathered tensor at
+    its global size: the cost model's convention.
+    """
+
+    kind: str  # "all_reduce" | "all_gather"
+    node: str
+    global_shape: tuple[Any, ...]
+    dtype: torch.dtype
+    forward: bool  # communicates in the forward
+    backward: bool  # communicates in the backward
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One row of :data:`COMMUNICATION`: a collective each call of a primitive performs."""
+
+    kind: str
+    forward: bool
+    backward: bool
+    payload: Payload
+    reason: str
+
+
+#: Every primitive that communicates -> the collectives one call performs. Rows are
+#: added by :func:`communicates`, beside the primitive they describe (here and in
+#: ``kernels.py``); a graph's collectives are whatever its nodes call from here.
+COMMUNICATION: dict[Callable[..., Any], tuple[Comm, ...]] = {}
+
+#: ``node.meta`` key a pass may set on a node it inserts to say why it communicates
+#: (e.g. "vocab head"); the row's reason otherwise.
+WHY_META = "boost_why"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def communicates(*rows: Comm) -> Callable[[_F], _F]:
+    """Register ``rows`` as what each call of the decorated primitive communicates.
+
+    Registration happens when the primitive's module is imported, which is before
+    any graph can call it: a table lookup never misses a primitive a node targets.
+    """
+
+    def register(fn: _F) -> _F:
+        COMMUNICATION[fn] = rows
+        return fn
+
+    return register
+
+
+def graph_collectives(graph: fx.Graph) -> list[Collective]:
+    """The collectives ``graph`` performs per call, in node order: the only record of them.
+
+    A primitive with a backward collective counts in both directions (one
+    :class:`Collective` per row of :data:`COMMUNICATION`).
+    """
+    found = []
+    for node in graph.nodes:
+        rows = COMMUNICATION.get(node.target, ()) if node.op == "call_function" else ()
+        for row in rows:
+            payload = row.payload(node)
+            if payload is None:
+                continue
+            shape, dtype = payload
+            why = node.meta.get(WHY_META) or row.reason
+            found.append(
+                Collective(row.kind, node.name, shape, dtype, row.forward, row.backward, why)
+            )
+    return found
+
+
+def forward_communicating(node: fx.Node) -> bool:
+    """Whether ``node`` calls a primitive that communicates in its forward."""
+    rows = COMMUNICATION.get(node.target, ()) if node.op == "call_function" else ()
+    return any(row.forward for row in rows)
+
+
+def _payload_of(value: Any) -> tuple[tuple[Any, ...], torch.dtype] | None:
+    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
+
+
+def input_payload(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype] | None:
+    """The first argument's value: what an all-reduce sums."""
+    return _payload_of(value_of(node.args[0]) if node.args else None)
+
+
+def output_payload(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype] | None:
+    """The node's own value (a gather's result; a reduced sum)."""
+    return _payload_of(value_of(node))
+
+
+def _grad_payload(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype] | None:
+    # A scatter is a slice; only a gradient flowing back makes it gather.
+    v = value_of(node.args[0]) if node.args else None
+    return _payload_of(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
+
+
+def statistics_payload(x_arg: int, width: Callable[[fx.Node], int]) -> Payload:
+    """fp32 ``[..., width]`` per token of argument ``x_arg`` (kernels reduce statistics
+    in fp32 whatever the activations' dtype)."""
+
+    def payload(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype] | None:
+        v = value_of(node.args[x_arg])
+        if not isinstance(v, torch.Tensor):
+            return None
+        return (*v.shape[:-1], width(node)), torch.float32
+
+    return payload
+
+
+# ----------------------------------------------------------------------------
 # public primitives
 # ----------------------------------------------------------------------------
 
 
+@communicates(Comm("all_reduce", True, False, input_payload, "row-parallel"))
 def reduce_from_tp(x: torch.Tensor, group: str) -> torch.Tensor:
     """Megatron's g: forward all-reduce SUM over ``group``, backward identity.
 
@@ -209,6 +340,7 @@ def reduce_from_tp(x: torch.Tensor, group: str) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
+@communicates(Comm("all_reduce", False, True, input_payload, "f"))
 def copy_to_tp(x: torch.Tensor, group: str) -> torch.Tensor:
     """Megatron's f: forward identity, backward all-reduce SUM of the gradient.
 
@@ -220,6 +352,7 @@ def copy_to_tp(x: torch.Tensor, group: str) -> torch.Tensor:
     return _CopyToTP.apply(x, group)
 
 
+@communicates(Comm("all_reduce", True, True, input_payload, "all-reduce"))
 def all_reduce_sum(x: torch.Tensor, group: str) -> torch.Tensor:
     """Forward all-reduce SUM, backward all-reduce SUM of the gradient.
 
@@ -233,6 +366,7 @@ def all_reduce_sum(x: torch.Tensor, group: str) -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
 
 
+@communicates(Comm("all_gather", True, False, output_payload, "gather"))
 def gather_from_tp(
     x: torch.Tensor,
     dim: int,
@@ -249,13 +383,14 @@ def gather_from_tp(
     (Funcol's own formula, a reduce-scatter, would scale by the world size.)
 
     ``rank`` / ``world_size`` are optional and only checked against the group:
-    :func:`mark_aot_cacheable` writes them into the FX node so that the graph
+    the sharding propagator writes them into the FX node so that the graph
     text, hence AOTAutograd's cache key, differs per rank.
     """
     rank, world = _rank_and_size(group, rank, world_size)
     return _GatherFromTP.apply(x, dim, group, rank, world)
 
 
+@communicates(Comm("all_gather", False, True, _grad_payload, "scatter"))
 def scatter_to_tp(
     x: torch.Tensor,
     dim: int,
@@ -273,53 +408,6 @@ def scatter_to_tp(
     """
     rank, world = _rank_and_size(group, rank, world_size)
     return _ScatterToTP.apply(x, dim, group, rank, world)
-
-
-# ----------------------------------------------------------------------------
-# AOTAutograd cache
-# ----------------------------------------------------------------------------
-
-#: Hash of this module's source and the torch version: what an inserted node's
-#: behaviour depends on beyond its graph arguments.
-CACHE_HASH: str = hashlib.sha256(
-    Path(__file__).read_bytes() + torch.__version__.encode()
-).hexdigest()[:32]
-
-
-def mark_aot_cacheable(node: torch.fx.Node) -> torch.fx.Node:
-    """Let AOTAutograd's cache accept a call_function node that targets a primitive.
-
-    AOTAutograd bypasses its cache for any call_function target that is not a
-    torch op or public torch function (``Unsupported call_function target``).
-    A node with ``meta["is_wrapped"]`` (what ``torch.fx.wrap`` sets) and a
-    ``meta["user_cache_hash"]`` is accepted. In torch 2.13 that hash is only a
-    permission: it does NOT enter the cache key (only saved-tensor-hook graphs
-    fold it in). The key is the dynamo graph's code text plus configs, so:
-
-    * rank-dependent tracing must show in the node's arguments. The dynamo graph
-      is identical on all ranks while :func:`gather_from_tp` / :func:`scatter_to_tp`
-      bake the rank (and world size) into the traced graph; without them in the
-      text, a warm cache handed rank 0 the artifact rank 1 compiled (observed).
-      This function writes ``rank=`` and ``world_size=`` kwargs into such nodes.
-    * a change to this file does not invalidate AOT cache entries by itself:
-      fold :data:`CACHE_HASH` into the ``uuid()`` of the compiler's
-      ``CustomGraphPass`` (custom-pass uuids are part of the key).
-
-    The inserted node also needs ``meta["example_value"]`` (a fake tensor) when
-    a ``call_method`` node consumes it, else the cache is bypassed for that user.
-    Side effect: the generated code calls ``torch.fx.wrap`` on the function name
-    at import, which only matters to a later ``fx.symbolic_trace`` of that module.
-    """
-    if node.target in (gather_from_tp, scatter_to_tp):
-        group = node.args[2] if len(node.args) > 2 else node.kwargs["group"]
-        node.kwargs = {
-            **node.kwargs,
-            "rank": _group_rank(group),
-            "world_size": _group_size(group),
-        }
-    node.meta["is_wrapped"] = True
-    node.meta["user_cache_hash"] = CACHE_HASH
-    return node
 
 
 # ----------------------------------------------------------------------------

@@ -9,21 +9,59 @@ graphs like any other functional collective.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.fx as fx
 
-from .collectives import copy_to_tp, reduce_from_tp
+from ..ir.ops import value_of
+from .collectives import (
+    Comm,
+    communicates,
+    copy_to_tp,
+    output_payload,
+    reduce_from_tp,
+    statistics_payload,
+)
+
+# Rows of the communication table (collectives.COMMUNICATION), one per collective a
+# call performs. Norm statistics: a [..., 1] fp32 all-reduce forward, and the f on
+# the scale (copy_to_tp) all-reduces the same size backward.
+_NORM_STATISTIC = Comm(
+    "all_reduce", True, True, statistics_payload(0, lambda n: 1), "norm statistics"
+)
 
 
+def _latents(node: fx.Node) -> int:
+    """The summed last sizes of the partials an online-norm kernel all-reduces."""
+    return sum(value_of(p).shape[-1] for p in node.args[0])
+
+
+# The partials and the fp32 statistics (RMSNorm: sum of squares; LayerNorm: + sum)
+# in one all-reduce; the reduce is g, so nothing goes back.
+_ONLINE_RMS = Comm(
+    "all_reduce", True, False, statistics_payload(1, lambda n: _latents(n) + 1),
+    "online norm + row-parallel",
+)  # fmt: skip
+_ONLINE_LAYER = Comm(
+    "all_reduce", True, False, statistics_payload(3, lambda n: _latents(n) + 2),
+    "online norm + row-parallel",
+)  # fmt: skip
+
+
+@communicates(Comm("all_reduce", True, False, output_payload, "reduction"))
 def sharded_sum(x: torch.Tensor, dim: int, keepdim: bool, full: int, group: str) -> torch.Tensor:
     """``x.sum(dim)`` over a dim split across the group (``full`` is its global size)."""
     return reduce_from_tp(x.sum(dim, keepdim=keepdim), group)
 
 
+@communicates(Comm("all_reduce", True, False, output_payload, "reduction"))
 def sharded_mean(x: torch.Tensor, dim: int, keepdim: bool, full: int, group: str) -> torch.Tensor:
     """``x.mean(dim)`` over a dim split across the group."""
     return reduce_from_tp(x.sum(dim, keepdim=keepdim), group) / full
 
 
+@communicates(_NORM_STATISTIC)
 def sharded_rms_norm(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float | None, d: int, group: str
 ) -> torch.Tensor:
@@ -42,6 +80,7 @@ def sharded_rms_norm(
     return y * weight if weight is not None else y
 
 
+@communicates(_NORM_STATISTIC, _NORM_STATISTIC)  # mean, variance
 def sharded_layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -107,6 +146,7 @@ def batched_linear(
     return list(y.reshape(len(xs), *lead, y.shape[-1]).unbind(0))
 
 
+@communicates(_ONLINE_RMS)
 def online_rms_norm_reduce(
     partials: list[torch.Tensor], x: torch.Tensor, eps: float | None, d: int, group: str
 ) -> list[torch.Tensor]:
@@ -137,6 +177,7 @@ def online_rms_norm_reduce(
     return [(s * scale).to(p.dtype) for s, p in zip(sums, partials, strict=True)]
 
 
+@communicates(_ONLINE_LAYER)
 def online_layer_norm_reduce(
     partials: list[torch.Tensor],
     w_partials: list[torch.Tensor],
@@ -178,6 +219,16 @@ def online_layer_norm_reduce(
     return out
 
 
+def _per_token(node: fx.Node, width: tuple[int, ...]) -> tuple[tuple[Any, ...], torch.dtype]:
+    """fp32 ``[N, *width]`` for the ``[N, V/p]`` logits of a vocabulary-parallel loss."""
+    return (value_of(node.args[0]).shape[0], *width), torch.float32
+
+
+@communicates(
+    Comm("all_reduce", True, False, lambda n: _per_token(n, ()), "loss max"),
+    Comm("all_reduce", True, False, lambda n: _per_token(n, (3 if n.args[4] else 2,)),
+         "loss statistics"),
+)  # fmt: skip
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,

@@ -12,7 +12,6 @@ are decided per FX node by the compiler, and the graph stays plain tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,7 +145,3 @@ def shard_through_view(
 
 def _static(x: Any) -> bool:
     return isinstance(x, int)
-
-
-def numel(shape: Sequence[Any]) -> Any:
-    return math.prod(shape)

@@ -1,4 +1,9 @@
-"""The tensor-parallel plan: each parameter's placement, each collective's payload."""
+"""The tensor-parallel plan: each parameter's placement, each collective's payload.
+
+Invariant: ``collectives`` is what :func:`~boost_compiler.tp.collectives.graph_collectives`
+reads off the captured graphs after the pipeline, graph after graph, in node order;
+nothing else writes it, so it lists what those graphs do and nothing they no longer do.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,8 @@ from rich.console import Group
 from rich.table import Table
 
 from ..analysis.bottlenecks import Bottleneck
+from .collectives import Collective
 from .placement import Placement
-from .propagate import Collective
 
 
 @dataclass

@@ -16,9 +16,10 @@ differs per rank receives only a partial gradient on each rank, so ``f`` sums
 it in the backward. Graph outputs are always made replicated, so what leaves a
 graph (and crosses a graph break) is the global tensor.
 
-The per-op rules live in :mod:`~boost_compiler.tp.rules.core` (a mixin of
-this class); this module holds the walk, the parameter decisions and the
-conversions the rules call.
+The per-op rules live in :mod:`~boost_compiler.tp.rules` (one module per op
+family, looked up by op kind in :mod:`~boost_compiler.tp.rules.registry`);
+this module holds the walk, the parameter decisions and the conversions the
+rules call.
 """
 
 from __future__ import annotations
@@ -26,44 +27,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
 from ..errors import MutationError, ShardingError
-from ..ir.ops import shape_of, value_of
+from ..ir.ops import shape_of, value_of, weight_step
 from ..passes.functionalize import is_mutation
 from . import collectives as C
+from .collectives import Collective as Collective  # re-exported: the plan's records
 from .placement import P, Placement, R, S, unblock
-from .rules.core import _BLOCK_READERS, OpRules, _describe, _requires_grad
-from .rules.vocab import VocabRules
+from .rules.core import describe as _describe
+from .rules.core import requires_grad as _requires_grad
+from .rules.registry import reads_blocks, rule_for
 
 log = get_logger(__name__)
 
 
 @dataclass
-class Collective:
-    """One collective the rewrite inserted, for the plan and the cost model."""
-
-    kind: str  # "all_reduce" | "all_gather" | "scatter" (no comm) | "copy" (f)
-    node: str
-    global_shape: tuple[Any, ...]
-    dtype: torch.dtype
-    forward: bool  # communicates in the forward
-    backward: bool  # communicates in the backward
-    reason: str = ""
-
-
-@dataclass
 class ShardingResult:
+    # The collectives are not listed here: collectives.graph_collectives reads them off the graph.
     params: dict[str, Placement] = field(default_factory=dict)
-    collectives: list[Collective] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)  # choices made, with their reason
 
 
-class ShardingPropagator(OpRules, VocabRules):
+class ShardingPropagator:
     """Rewrites ``gm`` in place for one rank of a ``p``-way tensor-parallel group.
 
     ``fixed`` holds parameter placements decided earlier (the model's shards
@@ -145,7 +134,36 @@ class ShardingPropagator(OpRules, VocabRules):
         self.undecided.discard(node)
         self.env[node] = placement
         self.result.params[fqn] = placement
+        if placement.is_shard:
+            self._regather_early_readers(node, placement)
         return placement
+
+    def _regather_early_readers(self, param: fx.Node, placement: Placement) -> None:
+        """Nodes walked before ``param`` was split read it whole: give them the gathered weight.
+
+        A rule may leave a parameter undecided (an element-wise op on it with nothing
+        sharded, e.g. ``w.abs().mean()`` as a scale) until a later node splits it; at
+        run time that early reader would compute on the shard while its placement
+        says replicated (a silently wrong scale, or a shape error). Casts and 2-D
+        transposes of the weight on the way to the splitting node carry the shard
+        (their placement is corrected); any other walked reader gets an all-gather.
+        """
+        stack = [(param, placement)]
+        while stack:
+            node, pl = stack.pop()
+            for user in list(node.users):
+                if user not in self.env:
+                    continue  # not walked yet (or the node deciding now): it sees the shard
+                step = weight_step(user) if user.args and user.args[0] is node else None
+                if step is not None and len(shape_of(user) or ()) == len(shape_of(node) or ()):
+                    flipped = pl if step == "same" else S(1 - pl.dim, pl.blocks)
+                    self.env[user] = flipped
+                    stack.append((user, flipped))
+                    continue
+                gathered = self.to_replicate(
+                    node, user, reason=f"{user.name} reads the weight whole"
+                )
+                user.replace_input_with(node, gathered)
 
     def peek(self, arg: Any) -> Placement | None:
         """The placement so far; None for a parameter not yet decided."""
@@ -173,12 +191,12 @@ class ShardingPropagator(OpRules, VocabRules):
             with self.graph.inserting_after(arg):
                 if pl == P:
                     new = self.graph.call_function(C.reduce_from_tp, (arg, self.group))
-                    kind = "all_reduce"
                 else:
                     new = self.graph.call_function(
                         C.gather_from_tp, (arg, pl.dim, self.group, self.rank, self.p)
                     )
-                    kind = "all_gather"
+            # Why it communicates (else: for which consumer), read with the graph's collectives.
+            new.meta[C.WHY_META] = reason or user.name
             if pl.blocks:  # rank-major after the gather; put each block back together
                 gathered = new
                 with self.graph.inserting_after(gathered):
@@ -187,7 +205,6 @@ class ShardingPropagator(OpRules, VocabRules):
             new.meta["example_value"] = value_of(arg)
             self.env[new] = R
             self.converted[key] = new
-            self._record(kind, new, arg, fwd=True, bwd=False, reason=reason or user.name)
         return self.converted[key]
 
     def to_shard(self, arg: Any, dim: int, user: fx.Node) -> Any:
@@ -204,8 +221,6 @@ class ShardingPropagator(OpRules, VocabRules):
                 )
             self.env[new] = S(dim)
             self.converted[key] = new
-            if _requires_grad(arg):
-                self._record("all_gather", new, arg, fwd=False, bwd=True, reason="scatter")
         return self.converted[key]
 
     def _copy_in(self, node: fx.Node) -> None:
@@ -218,14 +233,7 @@ class ShardingPropagator(OpRules, VocabRules):
                         new = self.graph.call_function(C.copy_to_tp, (arg, self.group))
                     self.env[new] = R
                     self.converted[key] = new
-                    self._record("all_reduce", new, arg, fwd=False, bwd=True, reason="f")
                 node.replace_input_with(arg, self.converted[key])
-
-    def _record(self, kind: str, new: fx.Node, src: fx.Node, fwd: bool, bwd: bool, reason: str):
-        v = value_of(src)
-        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else ()
-        dtype = v.dtype if isinstance(v, torch.Tensor) else torch.float32
-        self.result.collectives.append(Collective(kind, new.name, shape, dtype, fwd, bwd, reason))
 
     def set(self, node: fx.Node, placement: Placement) -> None:
         self.env[node] = placement
@@ -235,14 +243,14 @@ class ShardingPropagator(OpRules, VocabRules):
     # -- rules -------------------------------------------------------------
 
     def _call(self, node: fx.Node) -> None:
-        if node.target not in _BLOCK_READERS and any(
+        if not reads_blocks(node) and any(
             (pl := self.peek(a)) is not None and pl.blocks and a.name not in self.param_names
             for a in node.all_input_nodes
         ):
             return self._fallback(node)  # only a split into its blocks reads a blocked shard
-        rule = self._rule_for(node)
+        rule = rule_for(self, node)
         if rule is not None:
-            rule(node)
+            rule(self, node)
             return
         ins = [self.placement(a) for a in node.all_input_nodes]
         if any(pl != R for pl in ins):

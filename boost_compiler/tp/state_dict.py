@@ -28,17 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import BoostError
+from ..errors import StateDictError
 from .collectives import _raw_all_gather
 from .placement import Placement, R
+from .shadow import parallel_state
 
 log = logging.getLogger("boost_compiler.tp.state_dict")
 
 __all__ = ["StateDictError", "gather_state_dict", "load_state_dict", "reset_parameters"]
-
-
-class StateDictError(BoostError, ValueError):
-    """A state dict does not fit the parallelized model (names the key at fault)."""
 
 
 def _layout(model: nn.Module) -> tuple[Any, dict[str, tuple[torch.Tensor, Placement, tuple]]]:
@@ -48,12 +45,13 @@ def _layout(model: nn.Module) -> tuple[Any, dict[str, tuple[torch.Tensor, Placem
     parameters appear once), so every alias is resolved through the tensor's identity.
     Buffers are never sharded by ``parallelize``: they are replicated, full-size.
     """
-    plan = getattr(model, "boost_plan", None)
-    if plan is None:
+    state = parallel_state(model)
+    if state is None:
         raise StateDictError(
-            f"{type(model).__name__} has no boost_plan: it was not parallelized "
+            f"{type(model).__name__} was not parallelized "
             "(use model.state_dict() / model.load_state_dict() directly)"
         )
+    plan = state.plan
     first: dict[int, str] = {}
     for name, prm in model.named_parameters(remove_duplicate=False):
         first.setdefault(id(prm), name)

@@ -51,6 +51,7 @@ from torch import nn
 from .._logging import get_logger
 from ..errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from ..tp.placement import Placement, R
+from ..tp.shadow import parallel_state
 from . import integrity
 
 log = get_logger(__name__)
@@ -86,7 +87,8 @@ class Layout:
 
 def model_layout(model: nn.Module, tp_mesh: Any = None) -> Layout:
     """The layout of a (possibly parallelized, possibly FSDP2-wrapped) model."""
-    plan = getattr(model, "boost_plan", None)
+    state = parallel_state(model)
+    plan = state.plan if state is not None else None
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     params: dict[str, torch.Tensor] = {}

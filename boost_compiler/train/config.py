@@ -27,11 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import BoostError
-
-
-class TrainConfigError(BoostError, ValueError):
-    """A configuration value is missing, unknown or inconsistent (names it)."""
+from ..errors import TrainConfigError
 
 
 @dataclass
@@ -41,7 +37,9 @@ class TrainConfig:
     model: str = "tiny"  # preset in boost_compiler.models.cola_llama.CONFIGS
     model_overrides: dict[str, Any] = field(default_factory=dict)  # TOML [model] table
     tp: int = 1
-    dp: int | None = None  # None: world size // tp
+    dp: int | None = None  # None: world size // (tp * pp)
+    pp: int = 1  # pipeline stages (train/pipeline.py), 1F1B over `microbatches`
+    microbatches: int = 1  # per dp rank and step, when pp > 1
     steps: int = 100
     stop_at: int | None = None  # leave after this many steps (schedule still over `steps`)
     batch: int = 8  # sequences per optimizer step, summed over the dp ranks
@@ -69,7 +67,7 @@ class TrainConfig:
 
     def validate(self, world: int | None = None) -> None:
         """Raise :class:`TrainConfigError` naming the first inconsistent value."""
-        positive = ("tp", "steps", "batch", "seq")
+        positive = ("tp", "pp", "microbatches", "steps", "batch", "seq")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -82,16 +80,27 @@ class TrainConfig:
         if self.save_every < 0 or self.warmup < 0 or self.clip < 0:
             raise TrainConfigError("save_every, warmup and clip must be >= 0")
         if world is not None:
-            dp = self.dp if self.dp is not None else world // self.tp
-            if dp * self.tp != world:
+            dp = self.dp if self.dp is not None else world // (self.tp * self.pp)
+            if dp * self.tp * self.pp != world:
                 raise TrainConfigError(
-                    f"dp ({dp}) x tp ({self.tp}) must equal the world size ({world})"
+                    f"pp ({self.pp}) x dp ({dp}) x tp ({self.tp}) must equal the world size "
+                    f"({world})"
+                )
+            if self.pp > 1 and self.batch % (dp * self.microbatches):
+                raise TrainConfigError(
+                    f"the global batch ({self.batch}) must divide by dp x microbatches "
+                    f"({dp} x {self.microbatches})"
                 )
             if self.batch % dp:
                 raise TrainConfigError(
                     f"the global batch ({self.batch}) must divide by dp ({dp}): every dp rank "
                     "takes an equal, disjoint slice"
                 )
+        if self.pp > 1 and (self.compile or self.checkpoint_dir):
+            raise TrainConfigError(
+                "--pp > 1 runs eager and without checkpoints for now: add --no-compile, drop "
+                "--checkpoint-dir"
+            )
         if (self.resume or self.save_every) and not self.checkpoint_dir:
             raise TrainConfigError("--resume and --save-every need --checkpoint-dir")
 
@@ -131,7 +140,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="TOML file; flags given here win over it")
     p.add_argument("--model", default=s, help="CoLA-LLaMA preset: tiny, 60m, 1b, 7b, 40b (tiny)")
     p.add_argument("--tp", type=int, default=s, help="tensor-parallel degree (BTP) (1)")
-    p.add_argument("--dp", type=int, default=s, help="data-parallel degree (world / tp)")
+    p.add_argument("--dp", type=int, default=s, help="data-parallel degree (world / tp / pp)")
+    p.add_argument("--pp", type=int, default=s, help="pipeline stages, 1F1B (1)")
+    p.add_argument("--microbatches", type=int, default=s, help="micro-batches per step (1)")
     p.add_argument("--steps", type=int, default=s, help="optimizer steps in total (100)")
     p.add_argument("--stop-at", type=int, default=s,
                    help="leave after this many steps, keeping the --steps schedule "

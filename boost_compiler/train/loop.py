@@ -4,7 +4,7 @@ Layout: a 2-D ``DeviceMesh`` ``(dp, tp)``. Every rank builds the same model
 (same seed); ``parallelize(model, mesh["tp"])`` turns its parameters into plain
 local TP blocks; ``fully_shard(model, mesh=mesh["dp"])`` then shards those blocks
 over dp. Why this order works: the parallelized forward looks each parameter up on
-its owning module at every call (``parallel.current_local``), and FSDP2's root
+its owning module at every call (``tp.shadow.current_local``), and FSDP2's root
 pre-forward hook puts the all-gathered (unsharded) block there; its post-backward
 reduce-scatters (averages) the gradients over dp. Only the root module is wrapped:
 the forward runs a shadow copy of the module tree, so hooks on inner modules would
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
+from ..tp.shadow import parallel_state
 from . import checkpoint as ckpt
 from .clip import GradSlot, clip_grad_norm_
 from .config import TrainConfig, TrainConfigError
@@ -107,6 +108,8 @@ class _Run:
     fsdp: bool
     tp_bytes: int
     dp_bytes: int
+    pipe: Any = None  # train.pipeline.Pipeline when pp > 1 (it runs forward and backward)
+    norm_group: Any = None  # pp > 1: the group the gradient norm's squares are summed over
 
     @property
     def dp_rank(self) -> int:
@@ -120,9 +123,10 @@ class _Run:
 
 def _plan_bytes(model: nn.Module) -> int:
     """Forward + backward payload bytes per step of the model's BTP plan (0 without one)."""
-    plan = getattr(model, "boost_plan", None)
-    if plan is None:
+    state = parallel_state(model)
+    if state is None:
         return 0
+    plan = state.plan
     total = 0
     for c in plan.collectives:
         numel = math.prod(int(s) for s in c.global_shape)
@@ -138,6 +142,10 @@ def setup(cfg: TrainConfig) -> _Run:
 
     world = dist.get_world_size()
     cfg.validate(world)
+    if cfg.pp > 1:
+        from .pipeline import setup_pipeline_run
+
+        return setup_pipeline_run(cfg)
     tp = cfg.tp
     dp = cfg.dp if cfg.dp is not None else world // tp
     cuda = torch.cuda.is_available()
@@ -198,14 +206,18 @@ def train_step(run: _Run, step: int) -> tuple[float, float]:
     for group in run.opt.param_groups:
         group["lr"] = lr
     ids = run.batch(step)
-    loss = run.forward(ids, labels=ids)
-    loss.backward()
+    if run.pipe is not None:
+        loss = run.pipe.step(ids)
+    else:
+        loss = run.forward(ids, labels=ids)
+        loss.backward()
     if run.dp > 1 and not run.fsdp:
         _all_reduce_grads(run)
     norm = clip_grad_norm_(
         run.slots, cfg.clip,
         tp_group=run.mesh["tp"].get_group() if run.tp > 1 else None,
-        dp_group=run.mesh["dp"].get_group() if run.fsdp else None,
+        dp_group=run.norm_group if run.pipe is not None else
+        (run.mesh["dp"].get_group() if run.fsdp else None),
     )  # fmt: skip
     run.opt.step()
     run.opt.zero_grad(set_to_none=True)
@@ -373,7 +385,10 @@ def _train(cfg: TrainConfig) -> TrainResult:
         curve = read_metrics(cfg.metrics) if cfg.metrics else {}
         losses = {s: r["loss"] for s, r in curve.items()} or result.losses
         target = Path(cfg.plot) if cfg.plot else _default_plot(cfg)
-        if losses:
+        if losses and target is None:
+            log.info("no loss-curve PNG: a run without --metrics, --checkpoint-dir or --plot "
+                     "writes no files")  # fmt: skip
+        elif losses:
             title = f"{cfg.model}, dp={run.dp} x tp={run.tp}, batch {cfg.batch} x {cfg.seq}"
             result.plot = plot_losses(losses, target, title)
             if result.plot:
@@ -382,12 +397,13 @@ def _train(cfg: TrainConfig) -> TrainResult:
     return result
 
 
-def _default_plot(cfg: TrainConfig) -> Path:
+def _default_plot(cfg: TrainConfig) -> Path | None:
+    """Beside the run's own files; never the working directory (it may hold a loss.png)."""
     if cfg.metrics:
         return Path(cfg.metrics).with_suffix(".png")
     if cfg.checkpoint_dir:
         return Path(cfg.checkpoint_dir) / "loss.png"
-    return Path("loss.png")
+    return None
 
 
 def configure_logging() -> None:

@@ -10,25 +10,24 @@ the vocabulary shard, and the loss is :func:`tp_ops.vocab_parallel_cross_entropy
 Where the logits also leave the graph (HF returns them with the loss), they
 are all-gathered once at the output, which this module weighs against the
 replicated head before choosing; the choice and its reason go into the plan.
+(The head is a contraction: ``matrix`` asks :func:`vocab_parallel_head` before
+running a dense head replicated.)
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...ir.op_table import op_kind
 from ...ir.ops import Contraction, shape_of, value_of
 from .. import kernels as tp_ops
 from ..placement import R, S
-
-if TYPE_CHECKING:
-    from ..propagate import ShardingPropagator as _Host
-else:
-    _Host = object
+from .core import call_replicated
+from .registry import Propagator, rule
 
 _LOSS_SIGNATURE = inspect.signature(F.cross_entropy)
 # FLOPs a device does per byte a collective moves: above this, computing the head
@@ -37,81 +36,74 @@ _LOSS_SIGNATURE = inspect.signature(F.cross_entropy)
 _BALANCE = {"cuda": 2000.0, "cpu": 25.0}
 
 
-class VocabRules(_Host):
-    """Mixed into the propagator next to :class:`~boost_compiler.tp.rules.core.OpRules`."""
+def vocab_parallel_head(prop: Propagator, node: fx.Node, c: Contraction) -> bool:
+    """Split a dense head on its output (vocabulary) dim if its logits reach a loss.
 
-    def _vocab_parallel_head(self, node: fx.Node, c: Contraction) -> bool:
-        """Split a dense head on its output (vocabulary) dim if its logits reach a loss.
-
-        The decision is made once, by ``parallelize`` (the weight is undecided);
-        a graph compiled later for the same model finds the weight already split
-        on the vocabulary and follows it, whatever the call computes.
-        """
-        vocab_dim = 0 if c.weight_layout == "out_in" else 1
-        if c.weight not in self.undecided:
-            return self.env.get(c.weight) == S(vocab_dim) and self._split_head(node, c, "")
-        if c.d_out % self.p:
-            return False  # V does not divide: the head stays whole
-        loss, leaves = _logit_uses(node)
-        if not loss:
+    The decision is made once, by ``parallelize`` (the weight is undecided);
+    a graph compiled later for the same model finds the weight already split
+    on the vocabulary and follows it, whatever the call computes.
+    """
+    vocab_dim = 0 if c.weight_layout == "out_in" else 1
+    if c.weight not in prop.undecided:
+        return prop.env.get(c.weight) == S(vocab_dim) and _split_head(prop, node, c, "")
+    if c.d_out % prop.p:
+        return False  # V does not divide: the head stays whole
+    loss, leaves = _logit_uses(node)
+    if not loss:
+        return False
+    name = prop.param_names[c.weight.name]
+    if leaves:
+        elem = value_of(node).element_size()
+        device = value_of(node).device.type
+        per_byte = 6 * c.d_in / elem  # head FLOPs saved per logit byte gathered
+        balance = _BALANCE.get(device, _BALANCE["cuda"])
+        if per_byte < balance:
+            prop.result.decisions.append(
+                f"{name}: replicated head: the logits leave the graph, and gathering "
+                f"them costs more than the head ({per_byte:.0f} < {balance:.0f} FLOP/B)"
+            )
             return False
-        name = self.param_names[c.weight.name]
-        if leaves:
-            elem = value_of(node).element_size()
-            device = value_of(node).device.type
-            per_byte = 6 * c.d_in / elem  # head FLOPs saved per logit byte gathered
-            balance = _BALANCE.get(device, _BALANCE["cuda"])
-            if per_byte < balance:
-                self.result.decisions.append(
-                    f"{name}: replicated head: the logits leave the graph, and gathering "
-                    f"them costs more than the head ({per_byte:.0f} < {balance:.0f} FLOP/B)"
-                )
-                return False
-        why = "its logits reach a cross-entropy"
-        if leaves:
-            why += " (and leave the graph: gathered once at the output)"
-        return self._split_head(node, c, f"{name}: vocabulary-parallel head, {why}")
+    why = "its logits reach a cross-entropy"
+    if leaves:
+        why += " (and leave the graph: gathered once at the output)"
+    return _split_head(prop, node, c, f"{name}: vocabulary-parallel head, {why}")
 
-    def _split_head(self, node: fx.Node, c: Contraction, decision: str) -> bool:
-        node.replace_input_with(c.input, self.to_replicate(c.input, node, "vocab head"))
-        self._decide(c.weight, S(0 if c.weight_layout == "out_in" else 1))
-        if c.bias is not None:
-            self._decide(c.bias, S(0))
-        self.set(node, S(len(shape_of(node)) - 1))
-        if decision:
-            self.result.decisions.append(decision)
-        return True
 
-    def _cross_entropy(self, node: fx.Node) -> None:
-        """``F.cross_entropy`` of vocabulary-sharded ``[N, V/p]`` logits: per-token statistics."""
-        args = _LOSS_SIGNATURE.bind(*node.args, **node.kwargs).arguments
-        x, target = args["input"], args["target"]
-        pl = self.placement(x)
-        if not pl.is_shard:
-            return self._call_replicated(node, pl)
-        t = value_of(target)
-        plain = all(args.get(k) is None for k in ("weight", "size_average", "reduce"))
-        if (
-            len(shape_of(x)) != 2 or pl.dim != 1 or pl.blocks or not plain
-            or not isinstance(t, torch.Tensor) or t.is_floating_point()
-        ):  # fmt: skip
-            return self._fallback(node)
-        target = self.to_replicate(target, node)
-        vocab = shape_of(x)[1]
-        node.target = tp_ops.vocab_parallel_cross_entropy
-        node.args = (
-            x, target, args.get("ignore_index", -100), args.get("reduction", "mean"),
-            float(args.get("label_smoothing", 0.0)), vocab, self.rank, self.p, self.group,
-        )  # fmt: skip
-        node.kwargs = {}
-        n = shape_of(x)[0]
-        stats = 3 if node.args[4] else 2
-        self._record("all_reduce", node, x, fwd=True, bwd=False, reason="loss max")
-        self.result.collectives[-1].global_shape = (n,)
-        self._record("all_reduce", node, x, fwd=True, bwd=False, reason="loss statistics")
-        self.result.collectives[-1].global_shape = (n, stats)
-        self.result.collectives[-1].dtype = torch.float32
-        self.env[node] = R
+def _split_head(prop: Propagator, node: fx.Node, c: Contraction, decision: str) -> bool:
+    node.replace_input_with(c.input, prop.to_replicate(c.input, node, "vocab head"))
+    prop._decide(c.weight, S(0 if c.weight_layout == "out_in" else 1))
+    if c.bias is not None:
+        prop._decide(c.bias, S(0))
+    prop.set(node, S(len(shape_of(node)) - 1))
+    if decision:
+        prop.result.decisions.append(decision)
+    return True
+
+
+@rule("cross_entropy")
+def cross_entropy(prop: Propagator, node: fx.Node) -> None:
+    """``F.cross_entropy`` of vocabulary-sharded ``[N, V/p]`` logits: per-token statistics."""
+    args = _LOSS_SIGNATURE.bind(*node.args, **node.kwargs).arguments
+    x, target = args["input"], args["target"]
+    pl = prop.placement(x)
+    if not pl.is_shard:
+        return call_replicated(prop, node, pl)
+    t = value_of(target)
+    plain = all(args.get(k) is None for k in ("weight", "size_average", "reduce"))
+    if (
+        len(shape_of(x)) != 2 or pl.dim != 1 or pl.blocks or not plain
+        or not isinstance(t, torch.Tensor) or t.is_floating_point()
+    ):  # fmt: skip
+        return prop._fallback(node)
+    target = prop.to_replicate(target, node)
+    vocab = shape_of(x)[1]
+    node.target = tp_ops.vocab_parallel_cross_entropy
+    node.args = (
+        x, target, args.get("ignore_index", -100), args.get("reduction", "mean"),
+        float(args.get("label_smoothing", 0.0)), vocab, prop.rank, prop.p, prop.group,
+    )  # fmt: skip
+    node.kwargs = {}
+    prop.env[node] = R
 
 
 def _logit_uses(head: fx.Node, depth: int = 16) -> tuple[bool, bool]:
@@ -127,7 +119,7 @@ def _logit_uses(head: fx.Node, depth: int = 16) -> tuple[bool, bool]:
             seen.add(user)
             if user.op == "output":
                 leaves = True
-            elif user.target is F.cross_entropy:
+            elif op_kind(user) == "cross_entropy":
                 loss = loss or (user.args and user.args[0] is node)
             elif d < depth:
                 frontier.append((user, d + 1))

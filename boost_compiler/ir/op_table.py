@@ -1,0 +1,168 @@
+"""The op table: every spelling of an op in a dynamo graph -> one canonical op kind.
+
+Dynamo writes one op several ways: ``x * y`` is ``operator.mul``, ``torch.mul``
+is itself, ``x.mul(y)`` a ``call_method`` named ``"mul"`` (or ``"__mul__"``,
+``"__rmul__"``). Invariant: the compiler asks what a node computes only through
+:func:`op_kind`, so every spelling of a kind is treated alike everywhere
+(detection, sharding rules, passes, drawings), and supporting a new spelling is
+one entry here (:func:`add_spelling`), never an edit of a consumer's op set.
+A kind is an op's meaning, not a rule family: ``"view"`` and ``"reshape"`` are
+two kinds that happen to share a sharding rule. In-place spellings (``mul_``)
+are absent on purpose: ``functionalize`` rewrites them before anything reads
+the table, except the one input write it appends (``"copy_"``).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+# kind -> spellings: strings are ``call_method`` names, anything else a ``call_function`` target.
+SPELLINGS: dict[str, tuple[Any, ...]] = {
+    # arithmetic
+    "add": (operator.add, torch.add, "add", "__add__", "__radd__"),
+    "sub": (operator.sub, torch.sub, "sub", "__sub__"),
+    "mul": (operator.mul, torch.mul, "mul", "__mul__", "__rmul__"),
+    "div": (operator.truediv, torch.div, "div", "__truediv__"),
+    "neg": (operator.neg, torch.neg, "neg"),
+    "pow": (operator.pow, torch.pow, "pow"),
+    "square": (torch.square, "square"),
+    "rsqrt": (torch.rsqrt, "rsqrt"),
+    "exp": (torch.exp, "exp"),
+    # activations
+    "sigmoid": (torch.sigmoid, F.sigmoid, "sigmoid"),
+    "tanh": (torch.tanh, F.tanh, "tanh"),
+    "relu": (torch.relu, F.relu, "relu"),
+    "silu": (F.silu, "silu"),
+    "gelu": (F.gelu,),  # F.gelu is torch._C._nn.gelu
+    "leaky_relu": (F.leaky_relu,),
+    "elu": (F.elu,),
+    "mish": (F.mish,),
+    "hardswish": (F.hardswish,),
+    "dropout": (F.dropout,),
+    # comparisons and selection
+    "gt": (operator.gt, torch.gt, "gt"),
+    "lt": (operator.lt, torch.lt, "lt"),
+    "ge": (operator.ge, torch.ge, "ge"),
+    "le": (operator.le, torch.le, "le"),
+    "eq": (operator.eq, torch.eq, "eq"),
+    "ne": (operator.ne, torch.ne, "ne"),
+    "where": (torch.where,),
+    "masked_fill": ("masked_fill",),
+    # copies, casts, new tensors shaped like an input
+    "clone": (torch.clone, "clone"),
+    "detach": ("detach",),
+    "contiguous": ("contiguous",),
+    "cast": ("to", "float", "half", "bfloat16", "double", "type", "long", "int", "bool"),
+    "type_as": ("type_as",),
+    "zeros_like": (torch.zeros_like,),
+    "ones_like": (torch.ones_like,),
+    "full_like": (torch.full_like,),
+    "empty_like": (torch.empty_like,),
+    # contractions
+    "linear": (F.linear,),  # F.linear is torch._C._nn.linear
+    "matmul": (torch.matmul, operator.matmul, "matmul", "__matmul__"),
+    "mm": (torch.mm, "mm"),
+    "bmm": (torch.bmm,),
+    "addmm": (torch.addmm,),
+    "sdpa": (F.scaled_dot_product_attention,),
+    "embedding": (F.embedding,),
+    # views and layout
+    "view": ("view",),
+    "reshape": (torch.reshape, "reshape"),
+    "flatten": (torch.flatten, "flatten"),
+    "transpose": ("transpose",),
+    # The three agree on the 2-D weights, the only place the compiler reads them.
+    "t": ("t", "T", "mT"),
+    "permute": ("permute",),
+    "unsqueeze": ("unsqueeze",),
+    "squeeze": ("squeeze",),
+    "expand": ("expand",),
+    "repeat_interleave": ("repeat_interleave",),
+    # slicing and joining
+    "getitem": (operator.getitem,),
+    "split": (torch.split, "split"),
+    "chunk": (torch.chunk, "chunk"),
+    "cat": (torch.cat,),
+    "stack": (torch.stack,),
+    "slice_scatter": (torch.slice_scatter,),
+    "select_scatter": (torch.select_scatter,),
+    "copy_": ("copy_",),
+    # reductions, norms, losses
+    "sum": (torch.sum, "sum"),
+    "mean": (torch.mean, "mean"),
+    "softmax": (torch.softmax, F.softmax, "softmax"),
+    "rms_norm": (torch.rms_norm, F.rms_norm),
+    "layer_norm": (torch.layer_norm, F.layer_norm),
+    "cross_entropy": (F.cross_entropy,),
+}
+# ``getattr(x, "T")``: dynamo's spelling of an attribute read (its args name the attribute).
+_ATTRIBUTES = {"T": "t", "mT": "t"}
+
+_FUNCTIONS: dict[Any, str] = {}
+_METHODS: dict[str, str] = {}
+
+
+def add_spelling(kind: str, *spellings: Any) -> None:
+    """Make ``spellings`` (``call_function`` targets, or method names as strings) mean ``kind``.
+
+    The public way to teach the compiler an op (a ``torch.library`` custom op's
+    overload, a function marked ``allow_in_graph``); a spelling already taken by
+    another kind is an error, since one node computes one thing.
+    """
+    for s in spellings:  # all checked before any is added: a refused call changes nothing
+        taken = (_METHODS if isinstance(s, str) else _FUNCTIONS).get(s, kind)
+        if taken != kind:
+            raise ValueError(f"{s!r} already spells op kind {taken!r}, not {kind!r}")
+    for s in spellings:
+        (_METHODS if isinstance(s, str) else _FUNCTIONS)[s] = kind
+    known = SPELLINGS.get(kind, ())
+    SPELLINGS[kind] = (*known, *(s for s in spellings if s not in known))
+
+
+for _kind, _spellings in list(SPELLINGS.items()):
+    add_spelling(_kind, *_spellings)
+
+
+def op_kind(node: Any) -> str | None:
+    """The canonical kind of what ``node`` computes; None for anything the table lacks."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        return _METHODS.get(node.target)  # type: ignore[arg-type]
+    if node.op != "call_function":
+        return None
+    if node.target is getattr and len(node.args) == 2:
+        return _ATTRIBUTES.get(node.args[1])  # type: ignore[arg-type]
+    try:
+        return _FUNCTIONS.get(node.target)
+    except TypeError:  # an unhashable target is no spelling of anything
+        return None
+
+
+def function_spellings(kind: str) -> tuple[Any, ...]:
+    """The ``call_function`` targets of ``kind`` (for code that matches on targets)."""
+    return tuple(s for s in SPELLINGS.get(kind, ()) if not isinstance(s, str))
+
+
+def all_spellings() -> dict[Any, str]:
+    """Every spelling -> its kind (method names as strings), for checks and reports."""
+    return {**_FUNCTIONS, **_METHODS}
+
+
+@contextmanager
+def spellings_scope() -> Iterator[None]:
+    """Undo, on exit, every spelling added inside (tests that teach the table a toy op)."""
+    saved = dict(SPELLINGS), dict(_FUNCTIONS), dict(_METHODS)
+    try:
+        yield
+    finally:
+        for table, old in zip((SPELLINGS, _FUNCTIONS, _METHODS), saved, strict=True):
+            table.clear()
+            table.update(old)  # type: ignore[attr-defined]

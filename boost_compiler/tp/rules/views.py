@@ -1,0 +1,113 @@
+"""Sharding rules of views and layout ops: view/reshape/flatten, transpose/permute/unsqueeze, expand.
+
+Invariant: a view moves no values between ranks, so a shard stays a shard,
+on the dim the view maps it to (:func:`~boost_compiler.tp.placement.shard_through_view`),
+and the call is rewritten to the local shape: a size argument on the shard dim
+is divided by ``p`` (or becomes ``-1``, "keep"). A view that would split a
+rank's block across output dims, or merge it with a leading dim, is not local:
+it falls back. Every rule here reads one tensor, so it only runs on a shard.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ...errors import ShardingError
+from ...ir.op_table import op_kind
+from ...ir.ops import shape_of
+from ..placement import S, shard_through_view
+from .core import describe
+from .registry import Propagator, rule
+
+
+def _sizes(node: fx.Node) -> tuple:
+    """The target sizes of ``x.view(*sizes)`` / ``x.view(sizes)`` (and expand, reshape)."""
+    sizes = node.args[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = tuple(sizes[0])
+    return tuple(sizes)
+
+
+@rule("view", "reshape", "flatten")
+def view(prop: Propagator, node: fx.Node) -> None:
+    x = node.args[0]
+    pl = prop.placement(x)
+    src, dst = shape_of(x), shape_of(node)
+    moved = shard_through_view(src, dst, pl.dim, prop.p)
+    if op_kind(node) == "flatten":
+        # Its arguments are dims, not sizes: the same call flattens the local
+        # shard. Exact when the shard dim leads its merged group (or is outside
+        # it), which shard_through_view checks: each rank's block stays whole.
+        if moved is None or moved[1] % prop.p:
+            return prop._fallback(node)
+        return prop.set(node, S(moved[0]))
+    sizes = _sizes(node)
+    if moved is None or len(sizes) != len(dst):
+        return prop._fallback(node)
+    k, divisor = moved
+    if divisor % prop.p:
+        raise ShardingError(
+            f"{describe(node)}: dimension {k} of size {divisor} (heads or hidden) is not "
+            f"divisible by the tensor-parallel degree p={prop.p}"
+        )
+    new_sizes = list(sizes)
+    if isinstance(new_sizes[k], int) and new_sizes[k] != -1:
+        new_sizes[k] //= prop.p
+    elif not (isinstance(new_sizes[k], int) and new_sizes[k] == -1):
+        return prop._fallback(node)
+    node.args = (x, *new_sizes)
+    prop.set(node, S(k))
+
+
+@rule("transpose", "permute", "unsqueeze", "squeeze")
+def dim_move(prop: Propagator, node: fx.Node) -> None:
+    x = node.args[0]
+    pl = prop.placement(x)
+    src, dst = len(shape_of(x)), len(shape_of(node))
+    kind = op_kind(node)
+    if kind == "transpose":
+        a, b = (d % src for d in node.args[1:3])
+        k = b if pl.dim == a else a if pl.dim == b else pl.dim
+    elif kind == "permute":
+        perm = node.args[1:] if isinstance(node.args[1], int) else node.args[1]
+        k = [d % src for d in perm].index(pl.dim)
+    elif kind == "unsqueeze":
+        u = node.args[1] % dst
+        k = pl.dim + (1 if u <= pl.dim else 0)
+    else:  # squeeze: which dims go depends on sizes, which the shard changes
+        return prop._fallback(node)
+    prop.set(node, S(k))
+
+
+@rule("expand")
+def expand(prop: Propagator, node: fx.Node) -> None:
+    """``expand`` broadcasts size-1 dims and adds leading ones; a sharded dim keeps its size.
+
+    HF's ``repeat_kv`` (``kv[:, :, None].expand(b, h_kv, n_rep, s, d)``, then a
+    reshape merging ``h_kv * n_rep``) is the case that matters: the sharded
+    kv-head dim is never a size-1 dim (a shard of size 1 globally cannot
+    divide), so it is not broadcast, and its target size becomes -1 ("keep"),
+    which is the local size on every rank.
+    """
+    x = node.args[0]
+    pl = prop.placement(x)
+    sizes = _sizes(node)
+    out = shape_of(node)
+    k = pl.dim + len(out) - len(shape_of(x))
+    if len(sizes) != len(out) or node.kwargs:
+        return prop._fallback(node)
+    new_sizes = list(sizes)
+    new_sizes[k] = -1
+    node.args = (x, *new_sizes)
+    prop.set(node, S(k))
+
+
+@rule("repeat_interleave")
+def repeat_interleave(prop: Propagator, node: fx.Node) -> None:
+    """Along any dim of a plain shard: along the head dim, local kv head ``j`` serves
+    local q heads ``[j*n_rep, (j+1)*n_rep)``, so contiguous head blocks stay aligned."""
+    pl = prop.placement(node.args[0])
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    if pl.blocks or dim is None:
+        return prop._fallback(node)
+    prop.set(node, pl)

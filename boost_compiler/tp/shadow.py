@@ -1,0 +1,342 @@
+"""The shadow contract: what ``parallelize`` leaves on a model, and how its methods keep the shadow in step.
+
+A parallelized model keeps its module tree, with this rank's shards as parameters (what
+the optimizer trains and ``state_dict`` returns); its forward runs the *shadow*, a copy of
+that tree taken by ``parallelize`` whose parameters are stride-0 NaN placeholders with the
+global shapes, compiled through the boost backend, which swaps each placeholder for its
+owner's current shard at every call. Everything that ties the two together lives here,
+one dataclass per object under the one attribute ``_boost``: the model's
+:class:`ParallelState` (read with :func:`parallel_state`), each placeholder's
+:class:`ShadowParam` (:func:`shadow_param`), each shard's :class:`Shard` mark
+(:func:`is_shard`). Of the model's ``nn.Module`` methods, ``forward`` is the shadow's;
+``train``/``eval``, ``requires_grad_``, ``load_state_dict`` and everything built on
+``_apply`` (``to``, ``half``, ``bfloat16``, ``float``, ``double``, ``cuda``, ``to_empty``),
+called on the model or on any module inside it, change the shards and then bring the
+shadow into step (modes, placeholders' dtype, device and ``requires_grad``, shared
+buffers); a hook registered on an inner module after ``parallelize`` could never run and
+raises :class:`~boost_compiler.errors.HookAfterParallelizeError`; hooks on the model
+itself run as on any module.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..errors import HookAfterParallelizeError, UncompiledFrameError
+
+if TYPE_CHECKING:
+    from .parallel import TPGroup
+    from .placement import Placement
+    from .plan import TPPlan
+
+# The one attribute the shadow contract puts on a model, a placeholder or a shard.
+ATTR = "_boost"
+
+# The methods that change what the shadow must copy: each syncs it after it ran.
+_MIRRORED = ("_apply", "train", "requires_grad_", "load_state_dict")
+# Registering these on an inner module of a parallelized model raises: it never runs.
+_HOOK_METHODS = (
+    "register_forward_hook",
+    "register_forward_pre_hook",
+    "register_full_backward_hook",
+    "register_full_backward_pre_hook",
+    "register_backward_hook",
+)
+# The hook tables of the shadow's root, emptied: the model's own __call__ runs them.
+_CALL_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class ShadowParam:
+    """What the boost backend needs about one placeholder of the shadow.
+
+    ``owner`` is the module of the model holding the shard, and the shard's name
+    there; ``local`` is the shard ``parallelize`` made, used only while the owner
+    holds none (see :func:`current_local`).
+    """
+
+    fqn: str
+    placement: Placement
+    group: TPGroup
+    owner: tuple[nn.Module, str]
+    local: nn.Parameter
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The mark of a parameter ``parallelize`` made: this rank's shard of ``fqn``."""
+
+    fqn: str
+
+
+@dataclass(eq=False)
+class ParallelState:
+    """Everything ``parallelize`` attached to a model: read it with :func:`parallel_state`.
+
+    ``pairs`` are (module of the model, its copy in the shadow), each module once;
+    ``params`` the placeholders' records by parameter name; ``plan`` is also
+    ``model.boost_plan``.
+    """
+
+    shadow: nn.Module
+    forward: ShadowForward
+    plan: TPPlan
+    group: TPGroup
+    options: dict[str, Any]
+    params: dict[str, ShadowParam]
+    pairs: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
+    # Inside a mirrored method call, whose outermost frame brings the shadow into step.
+    busy: bool = False
+
+
+def parallel_state(model: nn.Module) -> ParallelState | None:
+    """The state ``parallelize`` attached to ``model``; None for a model it did not parallelize.
+
+    Also through a ``torch.compile(model)`` wrapper, which keeps the model as ``_orig_mod``.
+    """
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        model = model._orig_mod
+    state = model.__dict__.get(ATTR)
+    return state if isinstance(state, ParallelState) else None
+
+
+def shadow_param(t: Any) -> ShadowParam | None:
+    """The record of a shadow placeholder; None for any other value."""
+    info = getattr(t, ATTR, None)
+    return info if isinstance(info, ShadowParam) else None
+
+
+def placeholder_record(t: Any) -> ShadowParam:
+    """The record of ``t``, which must be a shadow placeholder."""
+    info = shadow_param(t)
+    if info is None:
+        raise TypeError(f"not a placeholder of a parallelized model's shadow: {type(t).__name__}")
+    return info
+
+
+def is_shard(t: Any) -> bool:
+    """Whether ``t`` is a parameter ``parallelize`` made (a rank's shard)."""
+    return isinstance(getattr(t, ATTR, None), Shard)
+
+
+def mark_shard(t: nn.Parameter, fqn: str) -> nn.Parameter:
+    setattr(t, ATTR, Shard(fqn))
+    return t
+
+
+def make_placeholder(info: ShadowParam, like: torch.Tensor, shape: torch.Size) -> nn.Parameter:
+    """A global-``shape`` NaN parameter with ``like``'s dtype, device and ``requires_grad``.
+
+    Stride 0, so it holds one element whatever its shape; NaN, so a graph that
+    computed on it without the backend's substitution could not produce numbers.
+    """
+    nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
+    placeholder = nn.Parameter(nan.expand(shape), like.requires_grad)
+    setattr(placeholder, ATTR, info)
+    return placeholder
+
+
+def current_local(placeholder: torch.Tensor) -> torch.Tensor:
+    """The tensor the owning module holds for this placeholder's parameter now.
+
+    Looked up at every call, not fixed at ``parallelize`` time, so whatever
+    replaces the module's parameter is what runs: ``load_state_dict(assign=True)``,
+    or FSDP2, which swaps in the all-gathered parameter for the forward.
+    """
+    info = placeholder_record(placeholder)
+    mod, name = info.owner
+    current = mod._parameters.get(name)
+    return info.local if current is None else current
+
+
+def attach(model: nn.Module, state: ParallelState) -> None:
+    """Make ``model`` run ``state.shadow`` and keep it in step (see the module docstring).
+
+    The methods are instance attributes of every module of the model (not of the
+    shadow): ``nn.Module`` recurses through ``module.train(mode)`` and
+    ``module._apply(fn)``, so a call anywhere in the tree passes through them, and
+    only the outermost one syncs the shadow, once, after the class's own method ran.
+    """
+    shadow_modules = dict(state.shadow.named_modules(remove_duplicate=False))
+    state.pairs = [(mod, shadow_modules[name]) for name, mod in model.named_modules()]
+    for table in _CALL_HOOKS:
+        getattr(state.shadow, table).clear()  # the shadow's copies of the model's hooks
+    model.__dict__[ATTR] = state
+    model.forward = state.forward  # type: ignore[method-assign]
+    for name, mod in model.named_modules():
+        for method in _MIRRORED:
+            setattr(mod, method, functools.partial(_mirrored, method, mod, state))
+        if mod is not model:
+            for method in _HOOK_METHODS:
+                setattr(mod, method, functools.partial(_refuse_hook, name, method))
+
+
+def _mirrored(method: str, mod: nn.Module, state: ParallelState, *args: Any, **kwargs: Any) -> Any:
+    """``type(mod).<method>``, then, for the outermost call, the shadow brought into step."""
+    run = getattr(type(mod), method)
+    if state.busy:  # a child's part of a call on an ancestor: the ancestor syncs
+        return run(mod, *args, **kwargs)
+    state.busy = True
+    try:
+        return run(mod, *args, **kwargs)
+    finally:
+        state.busy = False
+        follow(state)
+
+
+def follow(state: ParallelState) -> None:
+    """Give the shadow the model's modes and buffers, and placeholders like the shards.
+
+    A placeholder whose shard changed dtype, device or ``requires_grad`` (``half()``,
+    ``to_empty(device=...)`` of a model parallelized on the meta device, an
+    unfrozen parameter) is replaced by one that matches: dynamo traces the shadow,
+    so its placeholders decide the dtypes the graphs compute in, and whether they
+    compute a parameter's gradient. Buffers, which ``_apply`` replaces, are shared
+    again. The new placeholders fail dynamo's guards: the next call recompiles.
+    """
+    moved: dict[int, nn.Parameter] = {}  # tied parameters stay one placeholder
+    for mod, smod in state.pairs:
+        smod.training = mod.training
+        smod._buffers.update(mod._buffers)
+        for pname, ph in list(smod._parameters.items()):
+            info = shadow_param(ph)
+            if info is None:
+                continue
+            local = current_local(ph)
+            if (ph.device, ph.dtype, ph.requires_grad) == (
+                local.device, local.dtype, local.requires_grad,
+            ):  # fmt: skip
+                continue
+            if id(ph) not in moved:
+                moved[id(ph)] = make_placeholder(info, local, ph.shape)
+            smod._parameters[pname] = moved[id(ph)]
+
+
+def _refuse_hook(name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    raise HookAfterParallelizeError(
+        f"{method} on {name!r}, an inner module of a parallelized model: the hook would "
+        "never run, since the model's forward runs the shadow, a copy of the module tree "
+        "taken by parallelize. Register it before parallelize (it is then traced into the "
+        "compiled graphs, on global shapes), or on the parallelized model itself"
+    )
+
+
+# The parameters the compiled graphs of the current forward call ran with (by name).
+SUBSTITUTED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "boost_substituted", default=None
+)
+
+
+# The least recompile limit a parallelized forward's frames get (see ShadowForward).
+SHADOW_RECOMPILE_LIMIT = 256
+
+
+class ShadowForward:
+    """The parallelized model's forward: the shadow, through the boost backend.
+
+    A frame of the shadow that dynamo gives up on (``recompile_limit``: HF
+    forwards share wrapper code objects between models, and every new shape,
+    backend or instance adds a cache entry) would by dynamo's default run as
+    plain Python, on the NaN placeholders: NaN or silently missing gradients.
+    ``fail_on_recompile_limit_hit`` turns that into dynamo's own error naming the
+    frame, and it is set only while this forward runs, so models that were
+    never parallelized keep dynamo's default. That needs a frame of ours that
+    runs as Python even under the user's ``torch.compile(model)``:
+    ``__call__`` is skipped by dynamo's frame evaluation (``skip_code``: its own
+    frame only), and :meth:`_enter`, called with the flag set, is the frame
+    dynamo compiles. When the user's compiled code calls the model (a compiled
+    train step), dynamo inlines ``__call__`` and the shadow is traced into that
+    graph; frames past a graph break inside the model then follow the
+    process's own setting (see README, "Recompile limit").
+
+    ``backend`` compiles the shadow when the forward is called eagerly (the boost
+    backend with eager lowering, given by ``parallelize``).
+    """
+
+    def __init__(self, shadow: nn.Module, backend: Callable[..., Any]) -> None:
+        self.shadow = shadow
+        self.eager = torch.compile(shadow, backend=backend, dynamic=False)
+
+    def expect(self, training: bool, kwargs: frozenset[str], used: frozenset[str]) -> None:
+        """The parameters graphs must compute with in a call like parallelize's example."""
+        self.expected = (training, kwargs, used)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # inlined into the user's traced code
+            return self.shadow(*args, **kwargs)
+        seen: set[str] = set()
+        token = SUBSTITUTED.set(seen)
+        cfg = torch._dynamo.config
+        try:
+            # Raised limits, for both routes (our eager compile and the user's
+            # torch.compile): each frame of the shadow is compiled once per module
+            # instance, and one that passes the limit can only fail, never fall back.
+            with cfg.patch(
+                fail_on_recompile_limit_hit=True,
+                recompile_limit=max(cfg.recompile_limit, SHADOW_RECOMPILE_LIMIT),
+                accumulated_recompile_limit=max(
+                    cfg.accumulated_recompile_limit, 16 * SHADOW_RECOMPILE_LIMIT
+                ),
+            ):
+                out = self._enter(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+            raise UncompiledFrameError(
+                "a frame of the parallelized model passed dynamo's recompile limit "
+                f"({max(cfg.recompile_limit, SHADOW_RECOMPILE_LIMIT)}); run as Python it would compute on "
+                "placeholders, not on this rank's shards. Raise "
+                "torch._dynamo.config.recompile_limit, or reduce the frames dynamo must "
+                "compile (graph breaks inside a loop over modules: TORCH_LOGS=recompiles)"
+            ) from exc
+        finally:
+            SUBSTITUTED.reset(token)
+        self._check_compiled(seen, frozenset(kwargs))
+        return out
+
+    def _check_compiled(self, seen: set[str], kwargs: frozenset[str]) -> None:
+        """Every parameter the example call used must have reached a compiled graph.
+
+        One that did not was read by code dynamo left to plain Python (a frame it
+        skipped, with everything it calls, e.g. after a graph break inside a loop
+        over modules): that code computed on the NaN placeholders. Checked for calls
+        like parallelize's example (train/eval mode and keyword names), whose
+        parameters are known; other calls may rightly use fewer.
+        """
+        training, example_kwargs, used = getattr(self, "expected", (None, None, frozenset()))
+        if (self.shadow.training, kwargs) != (training, example_kwargs):
+            return
+        missing = sorted(used - seen)
+        if missing:
+            raise UncompiledFrameError(
+                f"parameters {missing[:4]}{'...' if len(missing) > 4 else ''} of a parallelized "
+                "model were read outside the compiled graphs (dynamo left their frame to "
+                "Python, e.g. after a graph break inside a loop over modules): that part "
+                "computed on placeholders, not on this rank's shards. Remove the graph break "
+                "(TORCH_LOGS=graph_breaks shows where), or move it out of the loop"
+            )
+
+    def _enter(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            # The top frame of the user's torch.compile(model, backend="boost"): trace
+            # the shadow; the outer backend sees the placeholders and applies the rewrite.
+            return self.shadow(*args, **kwargs)
+        # Called eagerly: our own compile. Each new input shape recompiles (static
+        # shapes keep the rewrite simple), hence the higher limits set by __call__.
+        return self.eager(*args, **kwargs)
+
+
+torch._dynamo.eval_frame.skip_code(ShadowForward.__call__.__code__)

@@ -1,0 +1,415 @@
+"""Pipeline parallelism over ``pp``, BTP inside each stage over ``tp``, FSDP2 over ``dp``.
+
+Layout: a 3-D ``DeviceMesh`` ``(pp, dp, tp)``. The CoLA-LLaMA is cut by layer into
+``pp`` stages (stage 0: embedding + its layers; the last: its layers + final norm +
+LM head + loss); each stage module is parallelized on its own with
+``parallelize(stage, mesh["tp"], <that stage's micro-batch inputs>)`` and, at
+``dp > 1``, wrapped by ``fully_shard`` over ``mesh["dp"]``. Scheduling is torch's
+(``PipelineStage`` with ``Schedule1F1B``, ``ScheduleGPipe`` on request).
+Invariant: what crosses a stage boundary is this tp rank's hidden shard
+``[b/m, s, d/tp]``, sent to the same tp rank of the next stage, and the pipelined
+step computes the single-device step exactly. Why a shard needs two conversions:
+``parallelize`` makes every graph output replicated (``tp/propagate.py``), so the
+sender slices the stage's replicated output (``scatter_to_tp``, no forward
+communication) and the receiver all-gathers it over tp (``gather_from_tp``) before
+the next stage's graph slices it again; the P2P wire carries ``1/tp`` of the
+activation, the tp groups carry an all-gather of ``[b/m, s, d]`` on each side of
+each boundary (forward and backward). A stage graph that returned its shard would
+remove those; ``parallelize`` has no such option yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import PipelineError
+from ..tp.collectives import gather_from_tp, group_name_of, scatter_to_tp
+
+__all__ = [
+    "P2PMeter",
+    "Pipeline",
+    "StageSpec",
+    "build_pipeline",
+    "init_pipeline_mesh",
+    "setup_pipeline_run",
+    "split_layers",
+]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage's share of the model: its index and the original layer indices it runs."""
+
+    index: int
+    num_stages: int
+    layers: tuple[int, ...]
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def split_layers(n_layers: int, pp: int, counts: Sequence[int] | None = None) -> list[StageSpec]:
+    """Stages of ``n_layers`` over ``pp``: ``counts`` layers each, else as even as possible.
+
+    An uneven even split gives the extra layers to the middle stages first: the
+    first and last stages also run the embedding and the (large) LM head.
+    """
+    if pp < 1:
+        raise PipelineError(f"pp must be >= 1, got {pp}")
+    if counts is None:
+        base, extra = divmod(n_layers, pp)
+        order = sorted(range(pp), key=lambda i: (i in (0, pp - 1), i))
+        counts = [base + (1 if order.index(i) < extra else 0) for i in range(pp)]
+    counts = list(counts)
+    if len(counts) != pp or sum(counts) != n_layers or min(counts) < 0:
+        raise PipelineError(
+            f"layer counts {counts} must be {pp} non-negative numbers summing to {n_layers}"
+        )
+    if any(c == 0 for c in counts[1:-1]):
+        raise PipelineError(f"layer counts {counts}: a middle stage without layers does nothing")
+    out, start = [], 0
+    for i, c in enumerate(counts):
+        out.append(StageSpec(i, pp, tuple(range(start, start + c))))
+        start += c
+    return out
+
+
+class CoLAStage(nn.Module):
+    """A slice of a ``ColaLlama``: its forward is the model's, restricted to the slice.
+
+    Parameter names are the single-device model's (``layers.3.attn...``), so plans,
+    checkpoints and comparisons use one vocabulary.
+    """
+
+    def __init__(self, model: nn.Module, spec: StageSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.cfg = model.cfg
+        self.rope = copy.deepcopy(model.rope)  # every stage needs the tables
+        if spec.first:
+            self.embed, self.drop = model.embed, model.drop
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in spec.layers})
+        if spec.last:
+            self.norm, self.lm_head = model.norm, model.lm_head
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = self.rope(x.shape[1])
+        if self.spec.first:
+            x = self.drop(self.embed(x))
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if not self.spec.last:
+            return x
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
+        )
+
+
+class BoundaryStage(nn.Module):
+    """The module ``PipelineStage`` runs: a (parallelized) stage with shard-sized boundaries.
+
+    In: the previous stage's hidden shard, all-gathered over tp (its backward keeps this
+    rank's slice of the replicated gradient). Out: this rank's slice of the stage's
+    replicated output (its backward all-gathers the shard gradients, so the gradient
+    the stage's graph sees is replicated, as its exactness requires).
+    """
+
+    def __init__(self, stage: CoLAStage, tp_group: Any = None) -> None:
+        super().__init__()
+        self.stage = stage
+        self.tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        self.group = group_name_of(tp_group) if tp_group is not None else ""
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        spec = self.stage.spec
+        if self.tp > 1 and not spec.first:
+            x = gather_from_tp(_ContiguousGrad.apply(x), -1, self.group, self.tp_rank, self.tp)
+        # Only the last stage was captured with labels: the others' graphs take none.
+        out = self.stage(x, labels=labels) if spec.last else self.stage(x)
+        if self.tp > 1 and not spec.last:
+            # gloo sends only contiguous buffers; a slice of the last dim is not one
+            out = scatter_to_tp(out, -1, self.group, self.tp_rank, self.tp).contiguous()
+        return out
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the gradient of the
+    received shard is a slice of the replicated one, and it is sent back as is."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def init_pipeline_mesh(pp: int, dp: int, tp: int, device: str = "cpu") -> Any:
+    """The ``(pp, dp, tp)`` mesh; the world must have exactly ``pp * dp * tp`` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if pp * dp * tp != world:
+        raise PipelineError(f"pp*dp*tp = {pp}*{dp}*{tp} = {pp * dp * tp} != world size {world}")
+    return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # The last stage's graph already computed the loss (sharded head and cross-entropy
+    # under BTP), so the schedule's loss function passes it through.
+    return output
+
+
+@dataclass
+class Pipeline:
+    """This rank's stage, its module (parameters under single-device names) and schedule."""
+
+    mesh: Any
+    spec: StageSpec
+    module: nn.Module  # BoundaryStage, possibly FSDP2-wrapped
+    stage: Any  # torch.distributed.pipelining.PipelineStage
+    schedule: Any
+    n_microbatches: int
+    boundary_shape: tuple[int, ...]  # what one micro-batch sends across a boundary, per rank
+    dtype: torch.dtype = torch.float32
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def boundary_bytes(self) -> int:
+        """Bytes one tp rank sends to the next stage per micro-batch (activation; the
+        gradient sent back in backward has the same size)."""
+        n = 1
+        for s in self.boundary_shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Forward + backward of the local batch ``ids`` in micro-batches; the mean loss.
+
+        A collective over the pipeline: every rank calls it with its dp rank's batch.
+        Gradients land in the parameters (averaged over micro-batches, and over dp by
+        FSDP2); the loss is broadcast from the last stage to every stage.
+        """
+        self.losses = []
+        kwargs = {"labels": ids}
+        if self.spec.first:
+            self.schedule.step(ids, return_outputs=False, **kwargs)
+        elif self.spec.last:
+            self.schedule.step(target=ids, losses=self.losses, return_outputs=False, **kwargs)
+        else:
+            self.schedule.step(return_outputs=False, **kwargs)
+        loss = torch.zeros((), dtype=torch.float32, device=ids.device)
+        if self.spec.last:
+            loss = torch.stack([x.detach().float() for x in self.losses]).mean()
+        pp_group = self.mesh["pp"].get_group()
+        src = dist.get_global_rank(pp_group, self.spec.num_stages - 1)
+        dist.broadcast(loss, src=src, group=pp_group)
+        return loss
+
+    def named_parameters_local(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Parameters under their single-device names (TP blocks, FSDP2 DTensors at dp > 1)."""
+        for name, prm in self.module.named_parameters():
+            yield name.removeprefix("stage."), prm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters at global shapes (a collective over dp and tp)."""
+        from ..tp.placement import R
+        from ..tp.shadow import parallel_state
+        from ..tp.state_dict import _gather_one
+
+        state = parallel_state(self.module.stage)
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, prm in self.named_parameters_local():
+                full_tensor = getattr(prm, "full_tensor", None)
+                block = full_tensor() if callable(full_tensor) else prm.detach()
+                if state is None:
+                    out[name] = block.clone()
+                    continue
+                plan = state.plan
+                placement = plan.params.get(name, R)
+                shape = tuple(plan.param_shapes.get(name, tuple(block.shape)))
+                out[name] = _gather_one(name, block, placement, shape, plan.group, plan.p).clone()
+        return out
+
+
+def _stage_examples(
+    spec: StageSpec, cfg: Any, mb: int, seq: int, dtype: torch.dtype, device: torch.device
+) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """One micro-batch's inputs as the stage's graph sees them (full hidden, global shapes)."""
+    ids = torch.zeros(mb, seq, dtype=torch.long, device=device)
+    if spec.first:
+        args: tuple[torch.Tensor, ...] = (ids,)
+    else:
+        hidden = torch.randn(mb, seq, cfg.d_model, dtype=dtype, device=device)
+        args = (hidden.requires_grad_(),)  # as received: the schedule makes it require grad
+    return args, ({"labels": ids} if spec.last else {})
+
+
+def _make_schedule(stage: Any, n_microbatches: int, schedule: str) -> Any:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    if schedule not in kinds:
+        raise PipelineError(f"unknown schedule {schedule!r}; choose one of {sorted(kinds)}")
+    if schedule == "1f1b" and n_microbatches < stage.num_stages:
+        raise PipelineError(
+            f"1F1B needs n_microbatches >= pp ({n_microbatches} < {stage.num_stages}); "
+            "use more micro-batches or schedule='gpipe'"
+        )
+    return kinds[schedule](stage, n_microbatches, loss_fn=_loss_is_output)
+
+
+def build_pipeline(
+    model: nn.Module,
+    mesh: Any,
+    batch: int,
+    seq: int,
+    n_microbatches: int,
+    layer_counts: Sequence[int] | None = None,
+    schedule: str = "1f1b",
+    fsdp: bool = True,
+    options: dict[str, Any] | None = None,
+) -> Pipeline:
+    """This rank's stage of ``model`` (a ``ColaLlama``, identical on every rank).
+
+    ``batch`` is the per-dp-rank batch of one step, cut into ``n_microbatches``.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    import boost_compiler
+
+    pp, tp = mesh["pp"].size(), mesh["tp"].size()
+    dp = mesh["dp"].size()
+    if batch % n_microbatches:
+        raise PipelineError(f"batch {batch} is not divisible by n_microbatches {n_microbatches}")
+    if pp > 1 and model.cfg.tie_embeddings:
+        raise PipelineError("tied embeddings would span the first and last stage: untie them")
+    specs = split_layers(model.cfg.n_layers, pp, layer_counts)
+    spec = specs[mesh["pp"].get_local_rank()]
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    stage_mod = CoLAStage(model, spec)
+    mb = batch // n_microbatches
+    args, kwargs = _stage_examples(spec, model.cfg, mb, seq, dtype, device)
+    if tp > 1:
+        boost_compiler.parallelize(stage_mod, mesh["tp"], args, kwargs, options)
+    module: nn.Module = BoundaryStage(stage_mod, mesh["tp"].get_group() if tp > 1 else None)
+    if dp > 1 and fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(module, mesh=mesh["dp"])
+    shard = (mb, seq, model.cfg.d_model // tp)
+
+    # requires_grad in the metadata: the received activation's gradient is sent back.
+    def act() -> torch.Tensor:
+        return torch.empty(shard, dtype=dtype, device=device, requires_grad=True)
+
+    inputs = args if spec.first else (act(),)
+    output = torch.empty((), dtype=torch.float32, device=device) if spec.last else act()
+    stage = PipelineStage(
+        module, spec.index, pp, device, input_args=inputs, output_args=output,
+        group=mesh["pp"].get_group(),
+    )  # fmt: skip
+    sched = _make_schedule(stage, n_microbatches, schedule)
+    return Pipeline(mesh, spec, module, stage, sched, n_microbatches, shard, dtype)
+
+
+@dataclass
+class P2PMeter:
+    """Bytes the pipeline's point-to-point ops send, and seconds spent waiting on them.
+
+    Patches the two module-level helpers every ``torch.distributed.pipelining``
+    schedule calls (``_batch_p2p`` to post a batch of ops, ``_wait_batch_p2p`` to wait
+    for it): measurement only, the ops themselves are unchanged.
+    """
+
+    sent_bytes: int = 0
+    sends: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)  # shape, B, peer
+    wait_s: float = 0.0
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[P2PMeter]:
+        from torch.distributed.pipelining import schedules
+
+        post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
+
+        def counted_post(ops: list[dist.P2POp], desc: str | None = None) -> Any:
+            for op in ops:
+                if op.op in (dist.isend, dist.send):
+                    nbytes = op.tensor.numel() * op.tensor.element_size()
+                    self.sends.append((tuple(op.tensor.shape), nbytes, op.peer))
+                    self.sent_bytes += nbytes
+            return post(ops, desc=desc)
+
+        def timed_wait(works: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return wait(works)
+            finally:
+                self.wait_s += time.perf_counter() - t0
+
+        schedules._batch_p2p, schedules._wait_batch_p2p = counted_post, timed_wait
+        try:
+            yield self
+        finally:
+            schedules._batch_p2p, schedules._wait_batch_p2p = post, wait
+
+
+def setup_pipeline_run(cfg: Any) -> Any:
+    """``train.loop.setup`` at ``cfg.pp > 1``: this rank's stage on a ``(pp, dp, tp)`` mesh.
+
+    The run's ``model`` is the stage under single-device names (its checkpoint layout,
+    clip slots and optimizer groups are those of its parameters); the gradient norm's
+    squares are summed over pp (disjoint stages) and, under FSDP2, dp (disjoint shards).
+    """
+    from . import checkpoint as ckpt
+    from .clip import GradSlot
+    from .data import load_corpus
+    from .loop import _plan_bytes, _Run, build_model
+
+    world = dist.get_world_size()
+    tp, pp = cfg.tp, cfg.pp
+    dp = cfg.dp if cfg.dp is not None else world // (tp * pp)
+    device = torch.device("cpu")
+    mesh = init_pipeline_mesh(pp, dp, tp, device.type)
+    model = build_model(cfg).to(device)
+    if cfg.bf16:
+        model = model.to(torch.bfloat16)
+    fsdp = dp > 1 and cfg.fsdp
+    pipe = build_pipeline(model, mesh, cfg.batch // dp, cfg.seq, cfg.microbatches, fsdp=fsdp)
+    stage = pipe.module.stage
+    layout = ckpt.model_layout(stage, mesh["tp"] if tp > 1 else None)
+    slots = [GradSlot(e.param, tp > 1 and e.placement.is_shard) for e in layout.entries]  # type: ignore[arg-type]
+    decay = [e.param for e in layout.entries if e.param.ndim >= 2]
+    no_decay = [e.param for e in layout.entries if e.param.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    )  # fmt: skip
+    norm_group = mesh["pp", "dp"]._flatten().get_group() if fsdp else mesh["pp"].get_group()
+    block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
+    dp_bytes = 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
+    return _Run(cfg, dp, tp, mesh, device, load_corpus(cfg.data), stage, pipe.module, opt,
+                layout, slots, fsdp, _plan_bytes(stage), dp_bytes, pipe, norm_group)  # fmt: skip
