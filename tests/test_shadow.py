@@ -236,12 +236,8 @@ def test_converted_parallel_model_matches_the_converted_single_device_model(two:
             assert errs[stage]["out"] <= RTOL and errs[stage]["grad"] <= RTOL, errs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tp/kernels.py computes norm statistics in fp32 whatever the activations' dtype "
-    "(x.float()), so an fp64 model's parallel norms are fp32-accurate, 1e-7 from one device",
-)
 def test_fp64_parallel_model_is_fp64_accurate(two: dict) -> None:
+    """Norm and loss statistics accumulate in the wider of fp32 and the input's dtype."""
     for r in ranks(result_of(two, "converted")):
         fp64 = r["errs"]["fp64"]
         assert fp64["out"] <= 1e-12 and fp64["grad"] <= 1e-12, fp64  # summation order only

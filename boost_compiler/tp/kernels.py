@@ -32,6 +32,11 @@ _NORM_STATISTIC = Comm(
 )
 
 
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the dtype statistics are accumulated in: fp32, or the input's if wider."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _latents(node: fx.Node) -> int:
     """The summed last sizes of the partials an online-norm kernel all-reduces."""
     return sum(value_of(p).shape[-1] for p in node.args[0])
@@ -73,7 +78,7 @@ def sharded_rms_norm(
     """
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    xf = x.float()
+    xf = _acc(x)
     ss = reduce_from_tp(xf.pow(2).sum(-1, keepdim=True), group)
     inv = copy_to_tp(torch.rsqrt(ss / d + eps), group)
     y = (xf * inv).to(x.dtype)
@@ -95,7 +100,7 @@ def sharded_layer_norm(
     so the fp32 result does not suffer the cancellation of E[x^2] - E[x]^2.
     """
     eps = 1e-5 if eps is None else eps
-    xf = x.float()
+    xf = _acc(x)
     mean = copy_to_tp(reduce_from_tp(xf.sum(-1, keepdim=True), group) / d, group)
     centred = xf - mean
     var = reduce_from_tp(centred.pow(2).sum(-1, keepdim=True), group) / d
@@ -170,8 +175,8 @@ def online_rms_norm_reduce(
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     sizes = [p.shape[-1] for p in partials]
-    ss = x.float().pow(2).sum(-1, keepdim=True)
-    total = reduce_from_tp(torch.cat([*(p.float() for p in partials), ss], -1), group)
+    ss = _acc(x).pow(2).sum(-1, keepdim=True)
+    total = reduce_from_tp(torch.cat([*(_acc(p) for p in partials), ss], -1), group)
     *sums, ss_total = total.split([*sizes, 1], -1)
     scale = torch.rsqrt(ss_total / d + eps)
     return [(s * scale).to(p.dtype) for s, p in zip(sums, partials, strict=True)]
@@ -198,12 +203,12 @@ def online_layer_norm_reduce(
     """
     eps = 1e-5 if eps is None else eps
     sizes = [p.shape[-1] for p in partials]
-    xf = x.float()
+    xf = _acc(x)
     per_token = torch.cat(
-        [*(p.float() for p in partials), xf.sum(-1, keepdim=True), xf.pow(2).sum(-1, keepdim=True)],
+        [*(_acc(p) for p in partials), xf.sum(-1, keepdim=True), xf.pow(2).sum(-1, keepdim=True)],
         -1,
     )
-    consts = torch.cat([q.float() for q in [*w_partials, *(b_partials or [])]])
+    consts = torch.cat([_acc(q) for q in [*w_partials, *(b_partials or [])]])
     flat = reduce_from_tp(torch.cat([per_token.flatten(), consts]), group)
     tokens = flat[: per_token.numel()].view(per_token.shape)
     *sums, s1, s2 = tokens.split([*sizes, 1, 1], -1)
@@ -255,7 +260,7 @@ def vocab_parallel_cross_entropy(
     """
     from .collectives import _c10d
 
-    z = logits.float()
+    z = _acc(logits)
     part = z.shape[-1]
     lo = rank * part
     m = _c10d.wait_tensor(_c10d.all_reduce(z.detach().amax(-1).contiguous(), "max", group))
