@@ -63,6 +63,21 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
+def make_optimizer(
+    layout: ckpt.Layout, cfg: TrainConfig, tp: int
+) -> tuple[list[GradSlot], torch.optim.AdamW]:
+    """AdamW over the layout's parameters (no decay on vectors) and their clipping slots."""
+    slots = [GradSlot(e.param, tp > 1 and e.placement.is_shard) for e in layout.entries]  # type: ignore[arg-type]
+    decay = [e.param for e in layout.entries if e.param.ndim >= 2]
+    no_decay = [e.param for e in layout.entries if e.param.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    )  # fmt: skip
+    return slots, opt
+
+
 def init_distributed() -> bool:
     """Join torchrun's group (env://), or make a 1-rank group; True if this call created it."""
     if dist.is_initialized():
@@ -166,14 +181,7 @@ def setup(cfg: TrainConfig) -> _Run:
 
         fully_shard(model, mesh=mesh["dp"])
     layout = ckpt.model_layout(model, mesh["tp"] if tp > 1 else None)
-    slots = [GradSlot(e.param, tp > 1 and e.placement.is_shard) for e in layout.entries]  # type: ignore[arg-type]
-    decay = [e.param for e in layout.entries if e.param.ndim >= 2]
-    no_decay = [e.param for e in layout.entries if e.param.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-    )  # fmt: skip
+    slots, opt = make_optimizer(layout, cfg, tp)
     forward: Any = model
     if cfg.compile:
         if fsdp:

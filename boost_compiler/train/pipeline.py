@@ -384,9 +384,8 @@ def setup_pipeline_run(cfg: Any) -> Any:
     squares are summed over pp (disjoint stages) and, under FSDP2, dp (disjoint shards).
     """
     from . import checkpoint as ckpt
-    from .clip import GradSlot
     from .data import load_corpus
-    from .loop import _plan_bytes, _Run, build_model
+    from .loop import _plan_bytes, _Run, build_model, make_optimizer
 
     world = dist.get_world_size()
     tp, pp = cfg.tp, cfg.pp
@@ -400,14 +399,7 @@ def setup_pipeline_run(cfg: Any) -> Any:
     pipe = build_pipeline(model, mesh, cfg.batch // dp, cfg.seq, cfg.microbatches, fsdp=fsdp)
     stage = pipe.module.stage
     layout = ckpt.model_layout(stage, mesh["tp"] if tp > 1 else None)
-    slots = [GradSlot(e.param, tp > 1 and e.placement.is_shard) for e in layout.entries]  # type: ignore[arg-type]
-    decay = [e.param for e in layout.entries if e.param.ndim >= 2]
-    no_decay = [e.param for e in layout.entries if e.param.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-    )  # fmt: skip
+    slots, opt = make_optimizer(layout, cfg, tp)
     norm_group = mesh["pp", "dp"]._flatten().get_group() if fsdp else mesh["pp"].get_group()
     block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
     dp_bytes = 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
