@@ -17,7 +17,7 @@ import pytest
 from boost_compiler.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from boost_compiler.train import checkpoint as ckpt
 from boost_compiler.train import integrity
-from boost_compiler.train.config import TrainConfig
+from boost_compiler.train.config import TrainConfig, TrainConfigError
 from boost_compiler.train.loop import read_metrics, train
 
 
@@ -131,3 +131,18 @@ def test_a_run_without_output_folders_writes_nothing(
     assert result.plot is None and len(result.losses) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png"]
     assert (tmp_path / "loss.png").read_bytes() == b"the user's own file"
+
+
+def test_keep_and_a_changed_schedule(run: Path, tmp_path: Path) -> None:
+    """--keep 1 leaves the newest checkpoint only; --resume with another --steps or --lr
+    raises by name unless --allow-schedule-change."""
+    root = tmp_path / "keep"
+    train(_config(root, keep=1))
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_4"]
+    moved = _copy(run, tmp_path)
+    with pytest.raises(TrainConfigError, match=r"--steps 6 \(saved: 4\).*--allow-schedule-change"):
+        train(_config(moved, resume=True, steps=6))
+    with pytest.raises(TrainConfigError, match=r"--lr 0.01 \(saved: 0.003\)"):
+        train(_config(moved, resume=True, lr=0.01))
+    result = train(_config(moved, resume=True, steps=6, allow_schedule_change=True))
+    assert result.start_step == 4 and result.final_step == 6

@@ -248,6 +248,20 @@ def latest(root: str | Path) -> Path | None:
     return None if best is None else best[1]
 
 
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints under ``root``; the removed."""
+    steps = sorted(
+        (int(m.group(1)), p)
+        for p in Path(root).iterdir()
+        if (m := _STEP_DIR.match(p.name)) and is_complete(p)
+    )
+    removed = [p for _, p in steps[:-keep]] if keep > 0 else []
+    for path in removed:
+        shutil.rmtree(path)
+        log.info("removed checkpoint %s (--keep %d)", path, keep)
+    return removed
+
+
 def is_complete(path: Path) -> bool:
     """All files of a finished save are there (whether they are intact is :func:`checked`)."""
     names = (".metadata", STATE_FILE, integrity.MANIFEST)

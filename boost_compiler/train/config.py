@@ -55,6 +55,8 @@ class TrainConfig:
     data: str | None = None  # folder of text files; None: the embedded stdlib corpus
     checkpoint_dir: str | None = None
     save_every: int = 0  # 0: save only at the end (when checkpoint_dir is set)
+    keep: int = 0  # keep the newest N checkpoints (0: all)
+    allow_schedule_change: bool = False  # --resume with another lr schedule than the checkpoint's
     resume: bool = False
     metrics: str | None = None  # JSON lines file (appended to on resume)
     plot: str | None = None  # loss-curve PNG; default: next to the metrics / checkpoints
@@ -77,8 +79,8 @@ class TrainConfig:
             raise TrainConfigError(
                 f"stop_at must be in 1..steps ({self.steps}), got {self.stop_at}"
             )
-        if self.save_every < 0 or self.warmup < 0 or self.clip < 0:
-            raise TrainConfigError("save_every, warmup and clip must be >= 0")
+        if self.save_every < 0 or self.warmup < 0 or self.clip < 0 or self.keep < 0:
+            raise TrainConfigError("save_every, warmup, clip and keep must be >= 0")
         if world is not None:
             dp = self.dp if self.dp is not None else world // (self.tp * self.pp)
             if dp * self.tp * self.pp != world:
@@ -159,6 +161,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=s, help="DCP checkpoints go to DIR/step_N")
     p.add_argument("--save-every", type=int, default=s, help="checkpoint every K steps")
     p.add_argument("--resume", action="store_true", default=s, help="continue from DIR's latest")
+    p.add_argument("--keep", type=int, default=s, help="keep the newest N checkpoints (all)")
+    p.add_argument("--allow-schedule-change", action="store_true", default=s,
+                   help="--resume with other --steps/--lr/--warmup/--min-lr-ratio than saved")  # fmt: skip
     p.add_argument("--metrics", default=s, help="JSON-lines metrics file (rank 0)")
     p.add_argument("--plot", default=s, help="loss-curve PNG path")
     p.add_argument("--bf16", action="store_true", default=s, help="bf16 parameters and compute")

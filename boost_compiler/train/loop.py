@@ -248,8 +248,22 @@ def _train_state(run: _Run, step: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# What decides the learning rate at a step: a resume must not change it silently.
+SCHEDULE = ("steps", "lr", "warmup", "min_lr_ratio")
+
+
 def _check_resume(run: _Run, state: dict[str, Any]) -> None:
     data, cfg = state.get("data", {}), run.cfg
+    saved = state.get("config", {})
+    changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (saved: {saved[k]})"
+               for k in SCHEDULE if k in saved and saved[k] != getattr(cfg, k)]  # fmt: skip
+    if changed and not cfg.allow_schedule_change:
+        raise TrainConfigError(
+            f"--resume would change the learning-rate schedule: {', '.join(changed)}; pass "
+            "the saved values, or --allow-schedule-change to continue on the new schedule"
+        )
+    if changed:
+        log.warning("resuming on a changed schedule: %s", ", ".join(changed))
     if data.get("digest") != run.corpus.digest:
         log.warning("resuming on another corpus (%s) than the checkpoint's", run.corpus.source)
     for key in ("seed", "batch", "seq"):
@@ -385,6 +399,8 @@ def _train(cfg: TrainConfig) -> TrainResult:
                 result.checkpoint = ckpt.save(
                     cfg.checkpoint_dir, done, run.layout, run.opt, _train_state(run, done)
                 )
+                if cfg.keep and rank == 0:
+                    ckpt.prune(cfg.checkpoint_dir, cfg.keep)
             if cfg.throttle:
                 time.sleep(cfg.throttle)
     result.final_step = end
