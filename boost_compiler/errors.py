@@ -104,3 +104,8 @@ class UnsafeCheckpointError(CheckpointError):
 
 class PipelineError(BoostError, ValueError):
     """A pipeline-parallel layout that cannot be built (layer split, mesh, micro-batches)."""
+
+
+class ParallelModelCopyError(BoostError, TypeError):
+    """``torch.save``/``pickle``/``copy.deepcopy`` of a parallelized model (it holds per-rank
+    shards and a compiled shadow); save ``gather_state_dict(model)`` or a DCP checkpoint."""

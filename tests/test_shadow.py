@@ -241,3 +241,18 @@ def test_fp64_parallel_model_is_fp64_accurate(two: dict) -> None:
     for r in ranks(result_of(two, "converted")):
         fp64 = r["errs"]["fp64"]
         assert fp64["out"] <= 1e-12 and fp64["grad"] <= 1e-12, fp64  # summation order only
+
+
+def test_saving_or_copying_the_model_itself_is_refused_by_name(tmp_path: Any) -> None:
+    """``torch.save(model)``/``pickle``/``deepcopy`` name the error and what to save instead."""
+    import copy
+    import pickle
+
+    with fake_process_group(2):
+        model, _ = _parallel()
+        for attempt in (lambda: torch.save(model, tmp_path / "m.pt"),
+                        lambda: pickle.dumps(model), lambda: copy.deepcopy(model)):  # fmt: skip
+            with pytest.raises(boost_compiler.ParallelModelCopyError, match="gather_state_dict"):
+                attempt()
+        plain = build("tiny")
+        torch.save(plain, tmp_path / "plain.pt")  # an unparallelized model still saves

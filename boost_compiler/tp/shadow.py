@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..errors import HookAfterParallelizeError, UncompiledFrameError
+from ..errors import HookAfterParallelizeError, ParallelModelCopyError, UncompiledFrameError
 
 if TYPE_CHECKING:
     from .parallel import TPGroup
@@ -178,6 +178,10 @@ def attach(model: nn.Module, state: ParallelState) -> None:
         getattr(state.shadow, table).clear()  # the shadow's copies of the model's hooks
     model.__dict__[ATTR] = state
     model.forward = state.forward  # type: ignore[method-assign]
+    # pickle and copy look __reduce_ex__ up on the instance: torch.save(model) and
+    # deepcopy(model) get a named error, not "Can't pickle local object" or a copy
+    # whose mirrored methods still act on this model's shadow.
+    model.__dict__["__reduce_ex__"] = _refuse_copy
     for name, mod in model.named_modules():
         for method in _MIRRORED:
             setattr(mod, method, functools.partial(_mirrored, method, mod, state))
@@ -225,6 +229,16 @@ def follow(state: ParallelState) -> None:
             if id(ph) not in moved:
                 moved[id(ph)] = make_placeholder(info, local, ph.shape)
             smod._parameters[pname] = moved[id(ph)]
+
+
+def _refuse_copy(*args: Any) -> Any:
+    raise ParallelModelCopyError(
+        "a parallelized model cannot be pickled or deep-copied (torch.save(model), "
+        "copy.deepcopy): it holds this rank's shards and a compiled shadow. Save "
+        "boost_compiler.gather_state_dict(model) (a single-device state dict, any layout) "
+        "or a torch.distributed.checkpoint of its state_dict(); to copy, build a new model "
+        "and parallelize it"
+    )
 
 
 def _refuse_hook(name: str, method: str, *args: Any, **kwargs: Any) -> Any:
