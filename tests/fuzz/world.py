@@ -66,6 +66,17 @@ def _short(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------
 
 
+def _build(spec: dict[str, Any], dtype: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """The spec's model and inputs, in float64 when asked (the ill-conditioning check)."""
+    from tests.fuzz.grammar import build
+
+    model, inputs = build(spec)
+    if dtype == "float64":
+        model = model.double()
+        inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    return model, inputs
+
+
 def run_program(
     spec: dict[str, Any], mode: str, mesh: Any, world: int, dtype: str = "float32"
 ) -> dict[str, Any]:
@@ -78,12 +89,9 @@ def run_program(
 
     import boost_compiler
     from boost_compiler.errors import BoostError
-    from tests.fuzz.grammar import build, loss_weights
+    from tests.fuzz.grammar import loss_weights
 
-    model, inputs = build(spec)
-    if dtype == "float64":
-        model = model.double()
-        inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    model, inputs = _build(spec, dtype)
     par = copy.deepcopy(model)  # before anything runs: the same parameters, unmodified
     try:
         out_ref = model(*(x.clone() for x in inputs))
@@ -162,14 +170,11 @@ def _torch_rejects(spec: dict[str, Any], mode: str, dtype: str) -> dict[str, Any
     compiler cannot run on one device (e.g. Inductor's backward over an in-place
     activation after a graph break) says nothing about the rewrite.
     """
-    from tests.fuzz.grammar import build, loss_weights
+    from tests.fuzz.grammar import loss_weights
 
     if mode == "eager":
         return None
-    model, inputs = build(spec)
-    if dtype == "float64":
-        model = model.double()
-        inputs = tuple(x.double() if x.is_floating_point() else x for x in inputs)
+    model, inputs = _build(spec, dtype)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="inductor" if mode == "inductor" else "aot_eager")
     try:
