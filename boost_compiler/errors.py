@@ -109,3 +109,12 @@ class PipelineError(BoostError, ValueError):
 class ParallelModelCopyError(BoostError, TypeError):
     """``torch.save``/``pickle``/``copy.deepcopy`` of a parallelized model (it holds per-rank
     shards and a compiled shadow); save ``gather_state_dict(model)`` or a DCP checkpoint."""
+
+
+class DataError(BoostError, ValueError):
+    """Training data that cannot be read or tokenized as asked (names the file, the field or
+    the tokenizer, and what to do)."""
+
+
+class VocabSizeError(DataError):
+    """The model's vocabulary cannot hold the tokenizer's ids (names both sizes)."""

@@ -54,7 +54,9 @@ TRAIN = Command(
     _train_run,
     "Pre-train the example CoLA-LLaMA with backend='boost': BTP inside --tp, FSDP2 across "
     "--dp, AdamW with warm-up + cosine, global-norm clipping, DCP checkpoints that load at "
-    "any (dp, tp). Under torchrun for several processes; alone for one.",
+    "any (dp, tp). On the embedded corpus, or on --data files (.txt, .jsonl, .parquet) "
+    "streamed, tokenized with --tokenizer, packed and resumed exactly. Under torchrun for "
+    "several processes; alone for one.",
 )
 
 EXPORT = Command(

@@ -52,7 +52,15 @@ class TrainConfig:
     beta2: float = 0.95
     clip: float = 1.0  # max global gradient norm; 0 disables clipping (the norm is still logged)
     seed: int = 0
-    data: str | None = None  # folder of text files; None: the embedded stdlib corpus
+    data: list[str] | None = None  # .txt/.jsonl/.parquet files or folders; None: embedded corpus
+    tokenizer: str | None = None  # tokenizer.json or a transformers folder; None: UTF-8 bytes
+    text_field: str = "text"  # the jsonl / parquet field that holds a document
+    txt_unit: str = "file"  # one .txt document: "file", "paragraph" or "line"
+    eos_token: str | None = None  # the document separator; None: the tokenizer's own
+    eval_fraction: float = 0.0  # hold out this fraction of the --data documents
+    eval_data: list[str] | None = None  # or validate on these files
+    eval_every: int = 0  # validation loss every K steps (0: at the last step only)
+    eval_batches: int = 4  # global batches in the held-out set
     checkpoint_dir: str | None = None
     save_every: int = 0  # 0: save only at the end (when checkpoint_dir is set)
     keep: int = 0  # keep the newest N checkpoints (0: all)
@@ -105,6 +113,33 @@ class TrainConfig:
             )
         if (self.resume or self.save_every) and not self.checkpoint_dir:
             raise TrainConfigError("--resume and --save-every need --checkpoint-dir")
+        self._validate_data()
+
+    def _validate_data(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise TrainConfigError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.eval_fraction and self.eval_data:
+            raise TrainConfigError("give --eval-fraction or --eval-data, not both")
+        if (self.eval_fraction or self.tokenizer) and not self.data:
+            raise TrainConfigError(
+                "--eval-fraction and --tokenizer apply to --data files: the embedded corpus "
+                "is byte tokens (give --data, or drop them)"
+            )
+        held_out = bool(self.eval_fraction or self.eval_data)
+        if self.eval_every < 0 or self.eval_batches <= 0:
+            raise TrainConfigError("eval_every must be >= 0 and eval_batches positive")
+        if self.eval_every and not held_out:
+            raise TrainConfigError("--eval-every needs a held-out split: --eval-fraction F or "
+                                   "--eval-data PATH")  # fmt: skip
+        if held_out and self.pp > 1:
+            raise TrainConfigError("validation with --pp > 1 is not supported yet: drop "
+                                   "--eval-fraction / --eval-data")  # fmt: skip
+        if self.txt_unit not in ("file", "paragraph", "line"):
+            raise TrainConfigError(
+                f"txt_unit must be file, paragraph or line, not {self.txt_unit!r}"
+            )
+        if not self.text_field:
+            raise TrainConfigError("text_field must not be empty")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -157,7 +192,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=s, help="AdamW weight decay (0.1)")
     p.add_argument("--clip", type=float, default=s, help="max global grad norm, 0: off (1.0)")
     p.add_argument("--seed", type=int, default=s, help="model init and data order (0)")
-    p.add_argument("--data", default=s, help="folder of text files (default: embedded corpus)")
+    p.add_argument("--data", nargs="+", default=s, metavar="PATH",
+                   help=".txt, .jsonl, .parquet files or folders, streamed in order "
+                   "(default: the embedded corpus)")  # fmt: skip
+    p.add_argument("--tokenizer", default=s, metavar="PATH",
+                   help="tokenizer.json, or a local transformers tokenizer folder; the model's "
+                   "vocab is sized from it (default: UTF-8 bytes)")  # fmt: skip
+    p.add_argument("--text-field", default=s, help="jsonl / parquet field of the text (text)")
+    p.add_argument("--txt-unit", choices=("file", "paragraph", "line"), default=s,
+                   help="one document of a .txt file (file)")  # fmt: skip
+    p.add_argument("--eos-token", default=s,
+                   help="token put between documents (the tokenizer's EOS, e.g. </s>)")  # fmt: skip
+    p.add_argument("--eval-fraction", type=float, default=s,
+                   help="hold out this fraction of the --data documents for validation (0)")  # fmt: skip
+    p.add_argument("--eval-data", nargs="+", default=s, metavar="PATH",
+                   help="validate on these files instead")  # fmt: skip
+    p.add_argument("--eval-every", type=int, default=s,
+                   help="validation loss and perplexity every K steps (0: last step only)")  # fmt: skip
+    p.add_argument("--eval-batches", type=int, default=s, help="global batches validated (4)")
     p.add_argument("--checkpoint-dir", default=s, help="DCP checkpoints go to DIR/step_N")
     p.add_argument("--save-every", type=int, default=s, help="checkpoint every K steps")
     p.add_argument("--resume", action="store_true", default=s, help="continue from DIR's latest")

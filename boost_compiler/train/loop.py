@@ -17,7 +17,7 @@ float rounding: that is what the parity tests check.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import math
 import os
@@ -31,26 +31,45 @@ import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
+from ..errors import VocabSizeError
 from ..tp.shadow import parallel_state
 from . import checkpoint as ckpt
 from .clip import GradSlot, clip_grad_norm_
 from .config import TrainConfig, TrainConfigError
-from .data import Corpus, dp_slice, load_corpus
+from .data import DataSource, model_vocab, open_data, open_eval
+from .evaluate import validate
+from .report import Metrics, default_plot, plot_losses, progress_bar, read_metrics
 
 log = get_logger(__name__)
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
-    """The preset ``cfg.model`` with its overrides, seeded (identical on every rank)."""
+    """The preset ``cfg.model`` with its overrides, seeded (identical on every rank).
+
+    With ``--tokenizer`` the vocabulary is the tokenizer's (the preset's is replaced); a
+    ``vocab_size`` override may pad it (e.g. to a multiple of tp), never cut it.
+    """
     from ..models import cola_llama as cola
 
     if cfg.model not in cola.CONFIGS:
         raise TrainConfigError(f"unknown --model {cfg.model!r}; presets: {sorted(cola.CONFIGS)}")
     overrides = dict(cfg.model_overrides)
     overrides.setdefault("max_seq_len", max(cola.CONFIGS[cfg.model].max_seq_len, cfg.seq))
+    need = model_vocab(cfg)
+    if need is not None:
+        given = overrides.setdefault("vocab_size", need)
+        if given < need:
+            raise VocabSizeError(
+                f"the model's vocab_size {given} ([model] vocab_size) is smaller than the "
+                f"tokenizer's {need} ({cfg.tokenizer}): drop vocab_size from the [model] table "
+                f"(the trainer then sizes the model from the tokenizer) or set it >= {need}"
+            )
     model = cola.build(cfg.model, seed=cfg.seed, **overrides)
-    if model.cfg.vocab_size < 256:
-        raise TrainConfigError(f"vocab_size {model.cfg.vocab_size} < 256: the tokens are bytes")
+    if need is None and model.cfg.vocab_size < 256:
+        raise VocabSizeError(
+            f"vocab_size {model.cfg.vocab_size} < 256: without --tokenizer the tokens are bytes "
+            "(set vocab_size >= 256, or give --tokenizer)"
+        )
     return model
 
 
@@ -114,7 +133,7 @@ class _Run:
     tp: int
     mesh: Any
     device: torch.device
-    corpus: Corpus
+    corpus: DataSource
     model: nn.Module
     forward: Any
     opt: torch.optim.Optimizer
@@ -125,15 +144,14 @@ class _Run:
     dp_bytes: int
     pipe: Any = None  # train.pipeline.Pipeline when pp > 1 (it runs forward and backward)
     norm_group: Any = None  # pp > 1: the group the gradient norm's squares are summed over
+    held_out: torch.Tensor | None = None  # [batches, batch, seq] validation sequences
 
     @property
     def dp_rank(self) -> int:
         return self.mesh["dp"].get_local_rank()
 
     def batch(self, step: int) -> torch.Tensor:
-        cfg = self.cfg
-        full = self.corpus.global_batch(step, cfg.batch, cfg.seq, cfg.seed)
-        return dp_slice(full, self.dp_rank, self.dp).to(self.device)
+        return self.corpus.rows(step).to(self.device)
 
 
 def _plan_bytes(model: nn.Module) -> int:
@@ -160,19 +178,21 @@ def setup(cfg: TrainConfig) -> _Run:
     if cfg.pp > 1:
         from .pipeline import setup_pipeline_run
 
-        return setup_pipeline_run(cfg)
+        # The pipeline builds its run with the embedded corpus; the data is swapped in here.
+        run = setup_pipeline_run(dataclasses.replace(cfg, data=None))
+        run.cfg, run.corpus = cfg, open_data(cfg, run.dp_rank, run.dp)
+        return run
     tp = cfg.tp
     dp = cfg.dp if cfg.dp is not None else world // tp
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    corpus = load_corpus(cfg.data)
+    corpus = open_data(cfg, mesh["dp"].get_local_rank(), dp)
+    held_out = open_eval(cfg)
     model = build_model(cfg).to(device)
     if cfg.bf16:
         model = model.to(torch.bfloat16)
-    run_dp_rank = mesh["dp"].get_local_rank()
-    example = dp_slice(corpus.global_batch(0, cfg.batch, cfg.seq, cfg.seed), run_dp_rank, dp)
-    example = example.to(device)
+    example = corpus.example().to(device)
     if tp > 1:
         boost_compiler.parallelize(model, mesh["tp"], (example,), {"labels": example})
     fsdp = dp > 1 and cfg.fsdp
@@ -192,7 +212,7 @@ def setup(cfg: TrainConfig) -> _Run:
     block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
     dp_bytes = 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
     return _Run(cfg, dp, tp, mesh, device, corpus, model, forward, opt, layout, slots, fsdp,
-                _plan_bytes(model), dp_bytes)  # fmt: skip
+                _plan_bytes(model), dp_bytes, held_out=held_out)  # fmt: skip
 
 
 def _all_reduce_grads(run: _Run) -> None:
@@ -242,7 +262,7 @@ def _train_state(run: _Run, step: int) -> dict[str, Any]:
         "step": step,
         "tokens_seen": step * cfg.batch * cfg.seq,
         "data": {"next_step": step, "source": run.corpus.source, "digest": run.corpus.digest,
-                 "seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq},
+                 "seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, **run.corpus.state()},
         "layout": {"dp": run.dp, "tp": run.tp, "fsdp": run.fsdp},
         "config": cfg.to_json(),
     }  # fmt: skip
@@ -272,75 +292,6 @@ def _check_resume(run: _Run, state: dict[str, Any]) -> None:
                         data.get(key))  # fmt: skip
 
 
-class _Metrics:
-    """JSON lines on rank 0: appended on resume (the curve continues), fresh otherwise."""
-
-    def __init__(self, path: str | None, append: bool, enabled: bool) -> None:
-        self.path = Path(path) if path and enabled else None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if not append:
-                self.path.write_text("")
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def read_metrics(path: str | Path) -> dict[int, dict[str, Any]]:
-    """Step records of a metrics file; a step logged twice (a crash after it) keeps the last."""
-    out: dict[int, dict[str, Any]] = {}
-    for line in Path(path).read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[int(rec["step"])] = rec
-    return dict(sorted(out.items()))
-
-
-def plot_losses(losses: dict[int, float], path: Path, title: str) -> Path | None:
-    """The loss curve as a PNG (None, with a message, when matplotlib is missing)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no loss-curve PNG (pip install matplotlib)")
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(list(losses), list(losses.values()), lw=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (cross-entropy, nats/byte)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _progress(enabled: bool, total: int, start: int) -> Any:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    progress = Progress(
-        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.description}"), TimeElapsedColumn(), TimeRemainingColumn(),
-        disable=not enabled,
-    )  # fmt: skip
-    task = progress.add_task("compiling..." if start == 0 else "resuming...", total=total)
-    progress.update(task, completed=start)
-    return progress, task
-
-
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or continue, with ``cfg.resume``) a training run; a collective over the world."""
     created = init_distributed()
@@ -361,19 +312,21 @@ def _train(cfg: TrainConfig) -> TrainResult:
     if found is not None:
         state = ckpt.load(found, run.layout, run.opt)
         _check_resume(run, state)
+        run.corpus.restore(state.get("data", {}))
         result.start_step = int(state["step"])
         log.info("resumed from %s at step %d (dp=%d, tp=%d)", found, result.start_step,
                  run.dp, run.tp)  # fmt: skip
     elif cfg.resume:
         log.info("--resume: no complete checkpoint in %s, starting at step 0", cfg.checkpoint_dir)
-    metrics = _Metrics(cfg.metrics, append=result.start_step > 0, enabled=rank == 0)
+    metrics = Metrics(cfg.metrics, append=result.start_step > 0, enabled=rank == 0)
     metrics.write({"event": "start", "step": result.start_step, "dp": run.dp, "tp": run.tp,
                    "fsdp": run.fsdp, "compile": cfg.compile, "world": dist.get_world_size(),
                    "tp_collective_bytes_per_step": run.tp_bytes,
                    "dp_collective_bytes_per_step": run.dp_bytes,
-                   "skipped_checkpoints": skipped})  # fmt: skip
+                   "skipped_checkpoints": skipped, "data": run.corpus.source,
+                   **_data_info(run)})  # fmt: skip
     tokens = cfg.batch * cfg.seq
-    progress, task = _progress(rank == 0 and cfg.progress, cfg.steps, result.start_step)
+    progress, task = progress_bar(rank == 0 and cfg.progress, cfg.steps, result.start_step)
     rates: list[float] = []
     end = cfg.stop_at or cfg.steps
     with progress:
@@ -393,6 +346,10 @@ def _train(cfg: TrainConfig) -> TrainResult:
             if rank == 0 and (step % max(1, cfg.log_every) == 0 or step == end - 1):
                 log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", step, loss, norm, rate)
             done = step + 1
+            if run.held_out is not None and (
+                (cfg.eval_every and done % cfg.eval_every == 0) or done == end
+            ):
+                validate(run, step, metrics)
             if cfg.checkpoint_dir and (
                 (cfg.save_every and done % cfg.save_every == 0) or done == end
             ):
@@ -408,7 +365,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
     if rank == 0:
         curve = read_metrics(cfg.metrics) if cfg.metrics else {}
         losses = {s: r["loss"] for s, r in curve.items()} or result.losses
-        target = Path(cfg.plot) if cfg.plot else _default_plot(cfg)
+        target = Path(cfg.plot) if cfg.plot else default_plot(cfg)
         if losses and target is None:
             log.info("no loss-curve PNG: a run without --metrics, --checkpoint-dir or --plot "
                      "writes no files")  # fmt: skip
@@ -421,13 +378,12 @@ def _train(cfg: TrainConfig) -> TrainResult:
     return result
 
 
-def _default_plot(cfg: TrainConfig) -> Path | None:
-    """Beside the run's own files; never the working directory (it may hold a loss.png)."""
-    if cfg.metrics:
-        return Path(cfg.metrics).with_suffix(".png")
-    if cfg.checkpoint_dir:
-        return Path(cfg.checkpoint_dir) / "loss.png"
-    return None
+def _data_info(run: _Run) -> dict[str, Any]:
+    """The metrics' start record: tokenizer, EOS, held-out size (no collective)."""
+    info = run.corpus.describe()
+    if run.held_out is not None:
+        info["eval_sequences"] = int(run.held_out.shape[0] * run.held_out.shape[1])
+    return info
 
 
 def configure_logging() -> None:
