@@ -29,8 +29,9 @@ WORLD = 2
 SHAPE = (4, 6)
 CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache" / "inductor"
 
-# g = reduce_from_tp, f = copy_to_tp, ar = all_reduce_sum, gather/scatter = *_tp along dim 1
-PRIMS = ("g", "f", "ar", "gather", "scatter")
+# g = reduce_from_tp, f = copy_to_tp, ar = all_reduce_sum, gather/scatter = *_tp along dim 1,
+# rs = reduce_scatter_to_tp, gsum = gather_sum_grad (a gather whose gradient is reduce-scattered)
+PRIMS = ("g", "f", "ar", "gather", "scatter", "rs", "gsum")
 
 
 def _call(name: str, x: torch.Tensor, group: str, dim: int = 1) -> torch.Tensor:
@@ -42,6 +43,10 @@ def _call(name: str, x: torch.Tensor, group: str, dim: int = 1) -> torch.Tensor:
         return C.all_reduce_sum(x, group)
     if name == "gather":
         return C.gather_from_tp(x, dim, group)
+    if name == "rs":
+        return C.reduce_scatter_to_tp(x, dim, group)
+    if name == "gsum":
+        return C.gather_sum_grad(x, dim, group)
     return C.scatter_to_tp(x, dim, group)
 
 
@@ -55,17 +60,19 @@ def _randn(seed: int, *shape: int) -> torch.Tensor:
 
 
 def _input(name: str, rank: int, dim: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s input: rank-varying for g/ar/gather, replicated for f/scatter."""
+    """Rank ``rank``'s input: rank-varying for g/ar/gather/rs/gsum, replicated for f/scatter."""
     if name == "g":
         return _randn(1, *SHAPE) * (rank + 1)
     if name == "f":
         return _randn(2, *SHAPE)
     if name == "ar":
         return _randn(3, *SHAPE) + rank
-    if name == "gather":
+    if name in ("gather", "gsum"):
         shape = list(SHAPE)
         shape[dim] //= WORLD
-        return _randn(4, *shape) * (rank + 1)
+        return _randn(4 if name == "gather" else 7, *shape) * (rank + 1)
+    if name == "rs":
+        return _randn(8, *SHAPE) - rank
     return _randn(5, *SHAPE)
 
 
@@ -85,8 +92,10 @@ def _expected(name: str, rank: int, dim: int = 1) -> tuple[torch.Tensor, torch.T
         ys = [sum(xs)] * WORLD
     elif name == "f":
         ys = xs
-    elif name == "gather":
+    elif name in ("gather", "gsum"):
         ys = [torch.cat(xs, dim)] * WORLD
+    elif name == "rs":
+        ys = list(sum(xs).chunk(WORLD, dim))
     else:
         ys = [x.chunk(WORLD, dim)[r] for r, x in enumerate(xs)]
     gs = [_weight(name, r, ys[r].shape) * ys[r].cos() for r in range(WORLD)]  # dL_r/dy_r
@@ -96,7 +105,9 @@ def _expected(name: str, rank: int, dim: int = 1) -> tuple[torch.Tensor, torch.T
         grad = sum(gs)
     elif name == "gather":
         grad = gs[rank].chunk(WORLD, dim)[rank]
-    else:
+    elif name == "gsum":  # rank-varying consumers: the sum of their gradients, this block
+        grad = sum(gs).chunk(WORLD, dim)[rank]
+    else:  # scatter, rs: every shard's gradient reaches every rank's input
         grad = torch.cat(gs, dim)
     return ys[rank].sin(), grad
 
@@ -106,20 +117,19 @@ def _expected(name: str, rank: int, dim: int = 1) -> tuple[torch.Tensor, torch.T
 # ----------------------------------------------------------------------------
 
 
-def _all_five(group: str):
-    def fn(xg, xf, xa, xgat, xsc):
-        return tuple(
-            _call(n, x, group).sin() for n, x in zip(PRIMS, (xg, xf, xa, xgat, xsc), strict=True)
-        )
+def _all_prims(group: str):
+    def fn(xg, xf, xa, xgat, xsc, xrs, xgs):
+        xs = (xg, xf, xa, xgat, xsc, xrs, xgs)
+        return tuple(_call(n, x, group).sin() for n, x in zip(PRIMS, xs, strict=True))
 
     return fn
 
 
 class _Sines(torch.nn.Module):
-    """Five independent ``sin``; the insertion backend puts one primitive before each."""
+    """Independent ``sin``s, one per primitive; the insertion backend puts it before each."""
 
-    def forward(self, xg, xf, xa, xgat, xsc):
-        return xg.sin(), xf.sin(), xa.sin(), xgat.sin(), xsc.sin()
+    def forward(self, xg, xf, xa, xgat, xsc, xrs, xgs):
+        return xg.sin(), xf.sin(), xa.sin(), xgat.sin(), xsc.sin(), xrs.sin(), xgs.sin()
 
 
 def _insert_primitives(gm: fx.GraphModule, group: str) -> None:
@@ -132,6 +142,8 @@ def _insert_primitives(gm: fx.GraphModule, group: str) -> None:
         "ar": (C.all_reduce_sum, ()),
         "gather": (C.gather_from_tp, (1,)),
         "scatter": (C.scatter_to_tp, (1,)),
+        "rs": (C.reduce_scatter_to_tp, (1,)),
+        "gsum": (C.gather_sum_grad, (1,)),
     }
     for name, ph in zip(PRIMS, placeholders, strict=True):
         fn, extra = fns[name]
@@ -144,7 +156,7 @@ def _insert_primitives(gm: fx.GraphModule, group: str) -> None:
         if example is not None:  # dynamo graph: keep meta complete for AOT's cache check
             with example.fake_mode:
                 node.meta["example_value"] = fn(example, *extra, group)
-        if fn in (C.gather_from_tp, C.scatter_to_tp):  # as the propagator does: the rank in
+        if extra:  # as the propagator does: the rank in
             node.kwargs = {"rank": dist.get_rank(), "world_size": WORLD}  # the graph's text
     gm.graph.lint()
     gm.recompile()
@@ -207,9 +219,9 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
         group = C.group_name_of(dist.group.WORLD)
 
         # eager, including gather/scatter along dims 0, 1 and -1
-        _check_run("eager", _all_five(group), rank, failures)
+        _check_run("eager", _all_prims(group), rank, failures)
         for dim in (0, -1):
-            for name in ("gather", "scatter"):
+            for name in ("gather", "scatter", "rs", "gsum"):
                 x = _input(name, rank, dim).requires_grad_()
                 y = _call(name, x, group, dim)
                 (_weight(name, rank, y.shape) * y.sin()).sum().backward()
@@ -227,10 +239,15 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
         if C.group_name_of(mesh) != mesh._dim_group_names[0]:
             failures.append(f"rank {rank} mesh group name {C.group_name_of(mesh)}")
 
-        expect_fwd = Counter({"all_reduce": 2, "all_gather_into_tensor": 1})  # g, ar, gather
-        expect_bwd = Counter({"all_reduce": 2, "all_gather_into_tensor": 1})  # f, ar, scatter
+        # forward: g, ar; gather, gsum; rs. backward: f, ar; scatter, rs; gsum
+        expect_fwd = Counter(
+            {"all_reduce": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}
+        )
+        expect_bwd = Counter(
+            {"all_reduce": 2, "all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}
+        )
         runs = (
-            ("torch.compile", torch.compile(_all_five(group), backend="inductor")),
+            ("torch.compile", torch.compile(_all_prims(group), backend="inductor")),
             ("fx-insert eager", torch.compile(_Sines(), backend=_inserting_backend(group, False))),
             (
                 "fx-insert compile_fx",
@@ -274,6 +291,8 @@ STRUCTURE = {
     "ar": ({"all_reduce": 1}, {"all_reduce": 1}),
     "gather": ({"all_gather_into_tensor": 1}, {}),
     "scatter": ({}, {"all_gather_into_tensor": 1}),
+    "rs": ({"reduce_scatter_tensor": 1}, {"all_gather_into_tensor": 1}),
+    "gsum": ({"all_gather_into_tensor": 1}, {"reduce_scatter_tensor": 1}),
 }
 
 

@@ -124,12 +124,18 @@ _AR = {
     torch.ops._c10d_functional.all_reduce_.default,
 }
 _AG = {torch.ops._c10d_functional.all_gather_into_tensor.default}
+_RS = {torch.ops._c10d_functional.reduce_scatter_tensor.default}
 
 
 def _collectives_of(gm: torch.fx.GraphModule) -> list[tuple[str, tuple[int, ...]]]:
     found = []
     for node in gm.graph.nodes:
-        kind = "all_reduce" if node.target in _AR else "all_gather" if node.target in _AG else ""
+        kind = (
+            "all_reduce" if node.target in _AR
+            else "all_gather" if node.target in _AG
+            else "reduce_scatter" if node.target in _RS
+            else ""
+        )  # fmt: skip
         if kind:
             found.append((kind, tuple(node.args[0].meta["val"].shape)))
     return found
@@ -155,16 +161,19 @@ def test_inductor_graphs_hold_exactly_the_planned_collectives() -> None:
     per_layer_bwd = [(b, s, 3 * r), (b, s, r), (b, s, 2 * r), (b, s, r)]
     # + the final norm's statistics (it feeds the LM head's gather, not a down factor),
     # and the vocabulary-parallel loss: a max, then [sum exp, target logit], per shifted
-    # token; backward: the head input's gradient (each rank holds part of the vocabulary).
+    # token; backward: the head input's gradient (each rank holds part of the vocabulary),
+    # reduce-scattered onto the hidden shards (d-major: the scatter splits dim 0).
     tokens = b * (s - 1)
     assert sorted(p for k, p in fwd if k == "all_reduce") == sorted(
         per_layer_fwd * layers + [(b, s, 1), (tokens,), (tokens, 2)]
     )
     assert sorted(p for k, p in bwd if k == "all_reduce") == sorted(
-        per_layer_bwd * layers + [(b, s, 1), (b, s, d)]
+        per_layer_bwd * layers + [(b, s, 1)]
     )
     assert [c for c in fwd if c[0] == "all_gather"] == [("all_gather", (b, s, d // 2))]
     assert not [c for c in bwd if c[0] == "all_gather"]
+    assert [c for c in bwd if c[0] == "reduce_scatter"] == [("reduce_scatter", (d, b, s))]
+    assert not [c for c in fwd if c[0] == "reduce_scatter"]
     # No tensor on a rank is wider than V/p in the vocabulary: the full logits exist nowhere.
     assert all(shape[-1] != cfg.vocab_size for _, shape in fwd + bwd)
 
@@ -232,3 +241,27 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
     finally:
         torch._dynamo.config.fail_on_recompile_limit_hit = previous
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("labels", [False, True])
+def test_plan_reports_per_rank_bytes_and_what_stays_whole(labels: bool) -> None:
+    """Per-rank parameter/gradient/AdamW bytes read off the local tensors, and the plan's
+    replicated list, the same set; with the loss in the graph nothing large stays whole."""
+    with fake_process_group(2):
+        model = build("tiny", vocab_size=512)
+        ids = example_inputs(model.cfg, seq=16)
+        kwargs = {"labels": ids[0]} if labels else None
+        boost_compiler.parallelize(model, dist.group.WORLD, ids, kwargs)
+        plan = model.boost_plan
+        mem = plan.rank_memory()
+        local = {n: p for n, p in model.named_parameters()}
+        held = {n for n, p in local.items() if p.shape == plan.param_shapes[n]}
+        assert set(mem.replicated) == held, (mem.replicated, held)
+        nbytes = sum(p.numel() * p.element_size() for p in local.values())
+        assert mem.params == nbytes and mem.grads == nbytes and mem.adamw == 2 * nbytes
+        text = plan.memory_text()  # what rich.print(plan) shows
+        assert all(name in text for name in mem.replicated) and f"{mem.params:,} B" in text
+    big = {n: k for n, k in mem.replicated.items() if k > 4096}
+    # logits out of the graph: the head is replicated (gathering [b, s, V] logits costs
+    # more than the head on CPU); with the loss in the graph, it is split on V
+    assert big == ({} if labels else {"lm_head.weight": 512 * model.cfg.d_model}), big

@@ -42,15 +42,20 @@ def _train(model, ref, step_fn, ref_fn, world: int, steps: int = 3) -> dict[str,
 
 
 def _head(model) -> str:
-    return str(model.boost_plan.params["lm_head.weight"])
+    params = model.boost_plan.params  # a tied head is listed under the embedding's name
+    return str(params.get("lm_head.weight", params.get("embed.weight")))
 
 
-def cola_labels(lowering: str | None, *, world: int, mesh: Any) -> dict[str, Any]:
-    """The example CoLA-LLaMA's own ``labels=`` loss (shift, reshape, fp32 upcast)."""
+def cola_labels(
+    lowering: str | None, tied: bool = False, *, world: int, mesh: Any
+) -> dict[str, Any]:
+    """The example CoLA-LLaMA's own ``labels=`` loss (shift, reshape, fp32 upcast);
+    ``tied``: its embedding and head share one weight."""
     import boost_compiler
     from examples.cola_llama import build, example_inputs
 
-    model = build("tiny", seed=2)
+    # Tied: V=512 > 4d, where the vocabulary split is chosen for the shared weight.
+    model = build("tiny", seed=2, **({"tie_embeddings": True, "vocab_size": 512} if tied else {}))
     ref = copy.deepcopy(model)
     (ids,) = example_inputs(model.cfg)
     boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
@@ -63,7 +68,47 @@ def cola_labels(lowering: str | None, *, world: int, mesh: Any) -> dict[str, Any
 
     errs = _train(model, ref, lambda k: run(ids, labels=labels(k)), lambda k: ref(ids, labels=labels(k)), world)  # fmt: skip
     return {**errs, "head": _head(model), "decisions": model.boost_plan.decisions,
-            "fallbacks": model.boost_plan.fallbacks}  # fmt: skip
+            "fallbacks": model.boost_plan.fallbacks, "wire": _wire(run, ids)}  # fmt: skip
+
+
+def _wire(run: Any, ids: torch.Tensor) -> list[tuple[str, list, str, bool]]:
+    """(collective, shape, dtype, backward?) of every gloo event of one more step."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        loss = run(ids, labels=ids)
+        with record_function("check::backward"):
+            loss.backward()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    bwd = [e.time_range for e in events if e.name == "check::backward"]
+    out = []
+    for e in events:
+        if e.name.startswith("gloo:"):
+            back = any(r.start <= e.time_range.start <= r.end for r in bwd)
+            shape = list(e.input_shapes[0]) if e.input_shapes else []
+            dtype = e.input_dtypes[0] if e.input_dtypes else ""
+            out.append((e.name, shape, dtype, back))
+    return out
+
+
+def gpt2_tied_logits(*, world: int, mesh: Any) -> dict[str, Any]:
+    """GPT-2 with SVD factors, tied embedding and head, returning logits (no loss in the
+    graph): compared by a cross-entropy against fixed targets outside the model."""
+    import boost_compiler
+    from tests.models import make_gpt2_svd
+
+    model, (ids,) = make_gpt2_svd(seed=5, vocab=512, d=64)
+    ids = torch.randint(0, 512, ids.shape, generator=torch.Generator().manual_seed(2))
+    ref = copy.deepcopy(model)
+    boost_compiler.parallelize(model, mesh, (ids,))
+    targets = torch.randint(0, 512, ids.shape, generator=torch.Generator().manual_seed(3))
+
+    def loss(m: Any, step: int) -> torch.Tensor:
+        return F.cross_entropy(m(ids).flatten(0, 1), targets.roll(step, 1).flatten())
+
+    errs = _train(model, ref, lambda k: loss(model, k), lambda k: loss(ref, k), world)
+    return {**errs, "head": str(model.boost_plan.params["wte.weight"]),
+            "decisions": model.boost_plan.decisions, "fallbacks": model.boost_plan.fallbacks}  # fmt: skip
 
 
 def user_train_step(reduction: str, smoothing: float, *, world: int, mesh: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from .functionalize import Functionalize
 from .group_linears import GroupLinears
 from .inline_regions import InlineRegions
 from .online_norm import OnlineNorm
+from .reduce_scatter_grads import ReduceScatterGrads
 
 PIPELINE: tuple[type[BoostPass], ...] = (
     InlineRegions,
@@ -26,6 +27,7 @@ PIPELINE: tuple[type[BoostPass], ...] = (
     BottleneckTP,
     GroupLinears,
     OnlineNorm,
+    ReduceScatterGrads,
     Checkpoint,
 )
 # Run before any analysis: what detection and the sharding rules may assume of a graph.
@@ -47,6 +49,7 @@ __all__ = [
     "OnStage",
     "OnlineNorm",
     "PassContext",
+    "ReduceScatterGrads",
     "enabled_passes",
     "run_pipeline",
 ]

@@ -9,6 +9,11 @@ shard's part of the single-device gradient. Down factors are row-parallel
 parallel (none forward, one all-reduce of ``[..., r]`` backward); everything
 between an up factor and the next down factor runs on hidden-dim shards.
 On a model that was not parallelized the pass changes nothing.
+
+Setting ``"replicated_head"`` (``options={"btp": "replicated_head"}`` given to
+``parallelize``) keeps every LM head whole on each rank instead of splitting it
+on the vocabulary: the plan before the vocabulary-parallel head, kept to
+measure what that head saves.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ log = get_logger(__name__)
 
 class BottleneckTP(BoostPass):
     name = "btp"
+    allowed = ("replicated_head",)
     # The rewritten graph calls into these by name: their code is part of the result.
     depends_on = (
         "boost_compiler.tp.propagate",
@@ -48,6 +54,7 @@ class BottleneckTP(BoostPass):
             tp.name,
             tp.rank,
             self.ctx.fixed,
+            vocab_parallel=self.setting != "replicated_head",
         ).run()
         self.ctx.notes["btp"] = result
         collectives = graph_collectives(graph)

@@ -1,95 +1,58 @@
-"""Tensor-parallel communication primitives, and the one table of what each communicates.
+"""Tensor-parallel communication primitives: Megatron's f and g, gathers, scatters.
 
-Invariant: every collective the compiler puts into a graph is a call of a
-primitive registered in :data:`COMMUNICATION` (below, or in ``kernels.py``),
-whose rows give the kind, direction (forward, backward) and payload of each
-collective one call performs; :func:`graph_collectives` reads a graph's
-collectives off its nodes through that table, so the graph is their only
-record. Each primitive takes a tensor and a process-group *name* (a ``str``:
-a literal for dynamo, ``make_fx`` and Inductor alike, so one FX node runs
-eagerly and compiled) and gives exact values and gradients under Megatron's
-conventions (see "autograd functions").
+Each primitive takes a tensor and a process-group *name* (a ``str``: a literal
+for dynamo, ``make_fx`` and Inductor alike, so one FX node runs eagerly and
+compiled), gives exact values and gradients under Megatron's conventions (see
+"autograd functions"), and registers what it communicates in the table of
+:mod:`.comm_table`, through which :func:`graph_collectives` reads any graph's
+collectives off its nodes (the names of that module and of :mod:`.groups` are
+re-exported here, where the passes and tests look for them).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, TypeVar
-
 import torch
-import torch.distributed as dist
-import torch.fx as fx
 
-from ..ir.ops import value_of
+from .comm_table import (
+    COMMUNICATION,
+    WHY_META,
+    Collective,
+    Comm,
+    Payload,
+    communicates,
+    forward_communicating,
+    grad_payload,
+    graph_collectives,
+    input_payload,
+    output_payload,
+    statistics_payload,
+)
+from .groups import fake_process_group, group_name_of, rank_and_size
 
 __all__ = [
     "COMMUNICATION",
+    "WHY_META",
     "Collective",
     "Comm",
+    "Payload",
     "all_reduce_sum",
     "communicates",
     "copy_to_tp",
     "fake_process_group",
     "forward_communicating",
     "gather_from_tp",
+    "gather_sum_grad",
     "graph_collectives",
     "group_name_of",
+    "input_payload",
+    "output_payload",
     "reduce_from_tp",
+    "reduce_scatter_to_tp",
     "scatter_to_tp",
+    "statistics_payload",
 ]
 
 _c10d = torch.ops._c10d_functional
-
-
-# ----------------------------------------------------------------------------
-# group helpers
-# ----------------------------------------------------------------------------
-
-
-def group_name_of(group: object = None) -> str:
-    """The name string of a ProcessGroup, a 1-D DeviceMesh, or ``None`` (the world).
-
-    A ``str`` is returned unchanged. For a ProcessGroup this is ``pg.group_name``;
-    for a 1-D DeviceMesh it is ``mesh.get_group().group_name`` (equal to
-    ``mesh._dim_group_names[0]``).
-    """
-    if isinstance(group, str):
-        return group
-    if group is None:
-        return dist.group.WORLD.group_name  # type: ignore[union-attr]
-    if isinstance(group, dist.ProcessGroup):
-        return group.group_name
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"group_name_of needs a 1-D DeviceMesh, got {group.ndim}-D")
-        return group.get_group().group_name
-    raise TypeError(f"cannot derive a process-group name from {type(group).__name__}")
-
-
-@torch.compiler.assume_constant_result
-def _group_rank(group: str) -> int:
-    # assume_constant_result: dynamo calls this at trace time and bakes the int in
-    # (it cannot trace _resolve_process_group on a string itself).
-    return dist.distributed_c10d._resolve_process_group(group).rank()
-
-
-@torch.compiler.assume_constant_result
-def _group_size(group: str) -> int:
-    return dist.distributed_c10d._resolve_process_group(group).size()
-
-
-def _rank_and_size(group: str, rank: int | None, world_size: int | None) -> tuple[int, int]:
-    actual = (_group_rank(group), _group_size(group))
-    if (rank, world_size) != (None, None) and (rank, world_size) != actual:
-        raise ValueError(
-            f"group {group!r}: this process is rank {actual[0]} of {actual[1]}, "
-            f"the graph was built for rank={rank}, world_size={world_size}"
-        )
-    return actual
 
 
 # ----------------------------------------------------------------------------
@@ -112,6 +75,18 @@ def _raw_all_gather(x: torch.Tensor, dim: int, group: str, world: int) -> torch.
     if dim == 0:
         return out
     return torch.cat(torch.chunk(out, world, dim=0), dim=dim)
+
+
+def _raw_reduce_scatter(x: torch.Tensor, dim: int, group: str, world: int) -> torch.Tensor:
+    """Reduce-scatter (sum) along ``dim``: rank ``r`` gets block ``r`` of the sum.
+
+    ``reduce_scatter_tensor`` splits dim 0; another dim is moved to the front
+    (and back), which costs a copy on each side but keeps the blocks in rank order.
+    """
+    dim = dim % x.dim()
+    front = x.movedim(dim, 0).contiguous()
+    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(front, "sum", world, group))
+    return out.movedim(0, dim)
 
 
 def _local_slice(x: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
@@ -199,127 +174,26 @@ class _ScatterToTP(torch.autograd.Function):
         return _raw_all_gather(grad, ctx.dim, ctx.group, ctx.world), None, None, None, None
 
 
-# ----------------------------------------------------------------------------
-# the table: what each primitive communicates, read off a graph
-# ----------------------------------------------------------------------------
+class _ReduceScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: str, world: int):
+        ctx.dim, ctx.group, ctx.world = dim, group, world
+        return _raw_reduce_scatter(x, dim, group, world)
 
-#: ``(global shape, dtype)`` of one collective's payload at a node, or None when
-#: the node does not communicate after all (a scatter of a tensor without grad).
-Payload = Callable[[fx.Node], "tuple[tuple[Any, ...], torch.dtype] | None"]
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective a graph performs per call, for the plan, the cost model and explain.
-
-    The payload (``global_shape``, ``dtype``) is the reduced or gathered tensor at
-    its global size: the cost model's convention.
-    """
-
-    kind: str  # "all_reduce" | "all_gather"
-    node: str
-    global_shape: tuple[Any, ...]
-    dtype: torch.dtype
-    forward: bool  # communicates in the forward
-    backward: bool  # communicates in the backward
-    reason: str = ""
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _raw_all_gather(grad, ctx.dim, ctx.group, ctx.world), None, None, None
 
 
-@dataclass(frozen=True)
-class Comm:
-    """One row of :data:`COMMUNICATION`: a collective each call of a primitive performs."""
+class _GatherSumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: str, world: int):
+        ctx.dim, ctx.group, ctx.world = dim, group, world
+        return _raw_all_gather(x, dim, group, world)
 
-    kind: str
-    forward: bool
-    backward: bool
-    payload: Payload
-    reason: str
-
-
-#: Every primitive that communicates -> the collectives one call performs. Rows are
-#: added by :func:`communicates`, beside the primitive they describe (here and in
-#: ``kernels.py``); a graph's collectives are whatever its nodes call from here.
-COMMUNICATION: dict[Callable[..., Any], tuple[Comm, ...]] = {}
-
-#: ``node.meta`` key a pass may set on a node it inserts to say why it communicates
-#: (e.g. "vocab head"); the row's reason otherwise.
-WHY_META = "boost_why"
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def communicates(*rows: Comm) -> Callable[[_F], _F]:
-    """Register ``rows`` as what each call of the decorated primitive communicates.
-
-    Registration happens when the primitive's module is imported, which is before
-    any graph can call it: a table lookup never misses a primitive a node targets.
-    """
-
-    def register(fn: _F) -> _F:
-        COMMUNICATION[fn] = rows
-        return fn
-
-    return register
-
-
-def graph_collectives(graph: fx.Graph) -> list[Collective]:
-    """The collectives ``graph`` performs per call, in node order: the only record of them.
-
-    A primitive with a backward collective counts in both directions (one
-    :class:`Collective` per row of :data:`COMMUNICATION`).
-    """
-    found = []
-    for node in graph.nodes:
-        rows = COMMUNICATION.get(node.target, ()) if node.op == "call_function" else ()
-        for row in rows:
-            payload = row.payload(node)
-            if payload is None:
-                continue
-            shape, dtype = payload
-            why = node.meta.get(WHY_META) or row.reason
-            found.append(
-                Collective(row.kind, node.name, shape, dtype, row.forward, row.backward, why)
-            )
-    return found
-
-
-def forward_communicating(node: fx.Node) -> bool:
-    """Whether ``node`` calls a primitive that communicates in its forward."""
-    rows = COMMUNICATION.get(node.target, ()) if node.op == "call_function" else ()
-    return any(row.forward for row in rows)
-
-
-def _payload_of(value: Any) -> tuple[tuple[Any, ...], torch.dtype] | None:
-    return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
-
-
-def input_payload(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype] | None:
-    """The first argument's value: what an all-reduce sums."""
-    return _payload_of(value_of(node.args[0]) if node.args else None)
-
-
-def output_payload(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype] | None:
-    """The node's own value (a gather's result; a reduced sum)."""
-    return _payload_of(value_of(node))
-
-
-def _grad_payload(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype] | None:
-    # A scatter is a slice; only a gradient flowing back makes it gather.
-    v = value_of(node.args[0]) if node.args else None
-    return _payload_of(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
-
-
-def statistics_payload(x_arg: int, width: Callable[[fx.Node], int]) -> Payload:
-    """fp32 ``[..., width]`` per token of argument ``x_arg`` (kernels reduce statistics
-    in fp32 whatever the activations' dtype)."""
-
-    def payload(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype] | None:
-        v = value_of(node.args[x_arg])
-        if not isinstance(v, torch.Tensor):
-            return None
-        return (*v.shape[:-1], width(node)), torch.float32
-
-    return payload
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _raw_reduce_scatter(grad, ctx.dim, ctx.group, ctx.world), None, None, None
 
 
 # ----------------------------------------------------------------------------
@@ -386,11 +260,11 @@ def gather_from_tp(
     the sharding propagator writes them into the FX node so that the graph
     text, hence AOTAutograd's cache key, differs per rank.
     """
-    rank, world = _rank_and_size(group, rank, world_size)
+    rank, world = rank_and_size(group, rank, world_size)
     return _GatherFromTP.apply(x, dim, group, rank, world)
 
 
-@communicates(Comm("all_gather", False, True, _grad_payload, "scatter"))
+@communicates(Comm("all_gather", False, True, grad_payload, "scatter"))
 def scatter_to_tp(
     x: torch.Tensor,
     dim: int,
@@ -406,31 +280,53 @@ def scatter_to_tp(
     concatenation of the shard gradients, which each rank holds one block of.
     ``rank`` / ``world_size``: as for :func:`gather_from_tp`.
     """
-    rank, world = _rank_and_size(group, rank, world_size)
+    rank, world = rank_and_size(group, rank, world_size)
     return _ScatterToTP.apply(x, dim, group, rank, world)
 
 
-# ----------------------------------------------------------------------------
-# single-process fake group for graph-structure tests
-# ----------------------------------------------------------------------------
+@communicates(
+    Comm("reduce_scatter", True, False, input_payload, "partial to shard"),
+    Comm("all_gather", False, True, input_payload, "partial to shard"),
+)
+def reduce_scatter_to_tp(
+    x: torch.Tensor,
+    dim: int,
+    group: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> torch.Tensor:
+    """Forward reduce-scatter (sum) along ``dim``; backward all-gather of the gradient.
 
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int = 0) -> Iterator[str]:
-    """Initialise torch's fake process group in this process; yields its name.
-
-    Collectives on it do no communication and their values are not those of a
-    real group (all-reduce leaves its input as is), but every primitive above
-    runs eagerly and traces through dynamo, AOT and Inductor with the world size
-    given, so graph-structure tests need no second process. The group is
-    destroyed on exit. Fails if a default group already exists.
+    Use where rank-varying partial sums become a shard (a vocabulary-parallel
+    embedding's lookup onto the hidden shards): the all-reduce then slice of
+    ``reduce_from_tp`` + ``scatter_to_tp`` in one collective of half the bytes.
+    Exact: every rank's partial ``x_r`` reaches every block of the sum, so
+    ``dL/dx_r`` is the concatenation of all shards' gradients. ``rank`` /
+    ``world_size``: as for :func:`gather_from_tp`.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    _, world = rank_and_size(group, rank, world_size)
+    return _ReduceScatterToTP.apply(x, dim, group, world)
 
-    if dist.is_initialized():
-        raise RuntimeError("a default process group is already initialised")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield group_name_of(None)
-    finally:
-        dist.destroy_process_group()
+
+@communicates(
+    Comm("all_gather", True, False, output_payload, "gather"),
+    Comm("reduce_scatter", False, True, output_payload, "gather"),
+)
+def gather_sum_grad(
+    x: torch.Tensor,
+    dim: int,
+    group: str,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> torch.Tensor:
+    """Forward all-gather along ``dim``; backward reduce-scatter (sum) of the gradient.
+
+    ``copy_to_tp(gather_from_tp(x))`` in one primitive, for a gathered value whose
+    every consumer is rank-varying (the input of a vocabulary-parallel head): its
+    gradient is a partial sum on each rank, and this rank's block of the sum is
+    all ``x`` needs, so the backward all-reduce + slice becomes a reduce-scatter
+    of half the bytes. (This is funcol's own all-gather formula; it is exact only
+    for such consumers, which is why the passes, not users, insert it.)
+    """
+    _, world = rank_and_size(group, rank, world_size)
+    return _GatherSumGrad.apply(x, dim, group, world)

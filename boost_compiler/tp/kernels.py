@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from ..ir.ops import value_of
 from .collectives import (
@@ -282,3 +283,19 @@ def vocab_parallel_cross_entropy(
     if reduction == "sum":
         return loss.sum()
     return loss.sum() / valid.sum().to(loss.dtype)
+
+
+def vocab_shard_embedding(
+    ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None, lo: int
+) -> torch.Tensor:
+    """This rank's part of ``F.embedding(ids, W)`` for ``weight = W[lo : lo + V/p]``.
+
+    Rows of ids inside the shard, zeros for the others: summed over the ranks, the
+    full lookup. ``padding_idx`` is local (``None`` when the padding row is on
+    another rank). The zeros come from ``masked_fill``, whose backward also zeroes
+    the gradient of the ids outside the shard, so they add nothing to row 0.
+    """
+    local = ids - lo
+    outside = (local < 0) | (local >= weight.shape[0])
+    rows = F.embedding(local.masked_fill(outside, 0), weight, padding_idx)
+    return rows.masked_fill(outside.unsqueeze(-1), 0)

@@ -225,6 +225,9 @@ def _shard_in_place(
         fqn = first_name[key]
         placement = plan.params.setdefault(fqn, R)
         plan.param_shapes[fqn] = tuple(prm.shape)
+        plan.param_itemsize[fqn] = prm.element_size()
+        if prm.requires_grad:
+            plan.trainable.add(fqn)
         local = nn.Parameter(local_shard(prm, placement, group), prm.requires_grad)
         records[fqn] = ShadowParam(fqn, placement, group, owners[key][0], mark_shard(local, fqn))
         memo[key] = make_placeholder(records[fqn], local, prm.shape)  # the shadow's parameter

@@ -7,6 +7,7 @@ nothing else writes it, so it lists what those graphs do and nothing they no lon
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rich.console import Group
@@ -15,6 +16,20 @@ from rich.table import Table
 from ..analysis.bottlenecks import Bottleneck
 from .collectives import Collective
 from .placement import Placement
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes each rank holds for the model's parameters, their gradients and AdamW's state."""
+
+    params: int
+    grads: int  # one per trainable parameter element
+    adamw: int  # exp_avg + exp_avg_sq
+    replicated: dict[str, int]  # parameter -> elements, held whole on every rank
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.adamw
 
 
 @dataclass
@@ -29,6 +44,22 @@ class TPPlan:
     collectives: list[Collective] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)  # e.g. how the LM head is split, and why
+    param_itemsize: dict[str, int] = field(default_factory=dict)
+    trainable: set[str] = field(default_factory=set)
+
+    def rank_memory(self) -> RankMemory:
+        """Per-rank parameter, gradient and AdamW bytes of this plan (a shard is 1/p)."""
+        params = grads = 0
+        replicated: dict[str, int] = {}
+        for name, pl in self.params.items():
+            numel = math.prod(self.param_shapes.get(name, ()))
+            local = numel // self.p if pl.is_shard else numel
+            if not pl.is_shard:
+                replicated[name] = numel
+            nbytes = local * self.param_itemsize.get(name, 4)
+            params += nbytes
+            grads += nbytes if name in self.trainable else 0
+        return RankMemory(params, grads, 2 * grads, replicated)
 
     def forward_collectives(self) -> list[Collective]:
         return [c for c in self.collectives if c.forward]
@@ -68,5 +99,13 @@ class TPPlan:
             )  # fmt: skip
         return t
 
+    def memory_text(self) -> str:
+        m = self.rank_memory()
+        held = ", ".join(f"{k} ({v:,})" for k, v in m.replicated.items()) or "none"
+        return (
+            f"per rank: parameters {m.params:,} B, gradients {m.grads:,} B, AdamW state "
+            f"{m.adamw:,} B; held whole on every rank (elements): {held}"
+        )
+
     def __rich__(self) -> Group:
-        return Group(self.param_table(), self.collective_table())
+        return Group(self.param_table(), self.memory_text(), self.collective_table())

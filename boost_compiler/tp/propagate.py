@@ -3,12 +3,13 @@
 One forward walk over a dynamo graph (global shapes, fake tensors). Each node
 gets a :class:`~boost_compiler.tp.placement.Placement`; a node's rule may convert
 its inputs first (all-gather a shard, all-reduce a partial, slice a
-replicated value) and rewrites size arguments from global to local. Four
+replicated value) and rewrites size arguments from global to local. Five
 conversions are enough, and each has the backward that keeps gradients exact
 (``collectives.py``):
 
     P -> R   reduce_from_tp  (g)      S -> R   gather_from_tp
-    R -> S   scatter_to_tp            R into a rank-varying op: copy_to_tp (f)
+    R -> S   scatter_to_tp            P -> S   reduce_scatter_to_tp
+    R into a rank-varying op: copy_to_tp (f)
 
 The last one is what makes every gradient exact without case analysis: a
 replicated value that requires grad and feeds a computation whose result
@@ -69,6 +70,7 @@ class ShardingPropagator:
         group: str,
         rank: int,
         fixed: dict[str, Placement] | None = None,
+        vocab_parallel: bool = True,
     ) -> None:
         self.gm, self.graph = gm, gm.graph
         self.param_names, self.p, self.group = param_names, p, group
@@ -76,6 +78,8 @@ class ShardingPropagator:
         # it) so the graph text, hence the AOTAutograd cache key, differs per rank.
         self.rank = rank
         self.fixed = dict(fixed or {})
+        # False: LM heads are not split on the vocabulary (option btp="replicated_head").
+        self.vocab_parallel = vocab_parallel
         self.role: dict[str, str] = {}
         for b in bottlenecks:
             self.role[b.down_node] = "down"
@@ -211,6 +215,17 @@ class ShardingPropagator:
         pl = self.placement(arg)
         if pl == S(dim):
             return arg
+        if pl == P:  # partial sums to shards: one reduce-scatter, not all-reduce + slice
+            key = (arg, S(dim))
+            if key not in self.converted:
+                with self.graph.inserting_after(arg):
+                    new = self.graph.call_function(
+                        C.reduce_scatter_to_tp, (arg, dim, self.group, self.rank, self.p)
+                    )
+                new.meta["example_value"] = value_of(arg)
+                self.env[new] = S(dim)
+                self.converted[key] = new
+            return self.converted[key]
         if pl != R:
             arg = self.to_replicate(arg, user, "reshard")
         key = (arg, S(dim))

@@ -23,7 +23,7 @@ from ..placement import P, Placement, R, S
 from .core import aligned, tensor_inputs
 from .registry import Propagator, rule
 from .slicing import sliced_blocks, split_sizes
-from .vocab import vocab_parallel_head
+from .vocab import tied_vocab_split, vocab_parallel_head, vocab_parallel_lookup
 
 
 def _is_weight_contraction(prop: Propagator, node: fx.Node) -> bool:
@@ -151,13 +151,18 @@ def same_shard(prop: Propagator, node: fx.Node) -> None:
     prop.set(node, S(k))
 
 
-# always: the embedding fixes its weight to a hidden-dim split on first use.
+# always: the embedding fixes its weight's split on first use.
 @rule("embedding", always=True)
 def embedding(prop: Propagator, node: fx.Node) -> None:
+    """Hidden-dim split (every rank looks up its d/p columns, no communication), or,
+    for a weight tied to the LM head, the vocabulary split that serves both."""
     ids, weight = node.args[0], node.args[1]
     if weight in prop.undecided:
-        # Hidden-dim split: every rank looks up its d/p columns, no communication.
-        prop._decide(weight, S(1))
-    if prop.placement(weight) == S(1) and prop.placement(ids) == R:
+        prop._decide(weight, S(0) if tied_vocab_split(prop, node, weight) else S(1))
+    if prop.placement(ids) != R:
+        return prop._fallback(node)
+    if prop.placement(weight) == S(1):
         return prop.set(node, S(len(shape_of(node)) - 1))
+    if prop.placement(weight) == S(0):
+        return vocab_parallel_lookup(prop, node)
     prop._fallback(node)

@@ -44,6 +44,7 @@ class Propagator(Protocol):
     undecided: set[fx.Node]  # parameter placeholders whose placement is still open
     converted: dict[tuple[fx.Node, Placement], fx.Node]
     result: ShardingResult
+    vocab_parallel: bool  # LM heads may be split on the vocabulary
 
     def peek(self, arg: Any) -> Placement | None: ...
     def placement(self, arg: Any) -> Placement: ...

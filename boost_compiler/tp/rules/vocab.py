@@ -11,7 +11,11 @@ Where the logits also leave the graph (HF returns them with the loss), they
 are all-gathered once at the output, which this module weighs against the
 replicated head before choosing; the choice and its reason go into the plan.
 (The head is a contraction: ``matrix`` asks :func:`vocab_parallel_head` before
-running a dense head replicated.)
+running a dense head replicated.) A weight tied between the embedding and the
+head is split on the vocabulary for both (:func:`tied_vocab_split`): the
+lookup is a partial sum that one reduce-scatter puts onto the hidden shards,
+and the head is the vocabulary-parallel one above, so no ``[.., V]`` partial
+logits are all-reduced.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...ir.op_table import op_kind
-from ...ir.ops import Contraction, shape_of, value_of
+from ...ir.ops import Contraction, as_contraction, shape_of, value_of
+from .. import collectives as C
 from .. import kernels as tp_ops
-from ..placement import R, S
+from ..placement import P, R, S
 from .core import call_replicated
 from .registry import Propagator, rule
 
 _LOSS_SIGNATURE = inspect.signature(F.cross_entropy)
+_EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
 # FLOPs a device does per byte a collective moves: above this, computing the head
 # once per rank costs more than all-gathering its logits. Rough machine balances
 # (accelerator: ~1e15 FLOP/s against ~4.5e11 B/s NVLink; CPU + gloo: ~5e10 / 2e9).
@@ -46,8 +52,8 @@ def vocab_parallel_head(prop: Propagator, node: fx.Node, c: Contraction) -> bool
     vocab_dim = 0 if c.weight_layout == "out_in" else 1
     if c.weight not in prop.undecided:
         return prop.env.get(c.weight) == S(vocab_dim) and _split_head(prop, node, c, "")
-    if c.d_out % prop.p:
-        return False  # V does not divide: the head stays whole
+    if c.d_out % prop.p or not prop.vocab_parallel:
+        return False  # V does not divide (or the option says so): the head stays whole
     loss, leaves = _logit_uses(node)
     if not loss:
         return False
@@ -124,3 +130,85 @@ def _logit_uses(head: fx.Node, depth: int = 16) -> tuple[bool, bool]:
             elif d < depth:
                 frontier.append((user, d + 1))
     return bool(loss), leaves
+
+
+def tied_vocab_split(prop: Propagator, node: fx.Node, weight: fx.Node) -> bool:
+    """Whether the embedding ``node`` should fix its ``weight`` split on the vocabulary.
+
+    Yes when the weight is tied to an LM head (every other reader of it is a
+    contraction ``h @ W^T`` with the vocabulary as its output dim), ``V`` divides
+    by ``p`` and the lookup is plain. The hidden split would make the head
+    row-parallel, all-reducing partial logits ``[.., V]``; the vocabulary split
+    costs a reduce-scatter and an all-gather of ``[.., d]`` instead, and the
+    logits (if they leave the graph) are all-gathered, half an all-reduce. So it
+    is chosen when ``V > 4d``, i.e. for any real vocabulary.
+    """
+    vocab, d = shape_of(weight)
+    heads = _head_readers(prop, weight)
+    if not prop.vocab_parallel or not heads or vocab % prop.p or vocab <= 4 * d:
+        return False
+    if not _plain_lookup(node):
+        return False
+    prop.result.decisions.append(
+        f"{prop.param_names[weight.name]}: tied embedding and head split on the vocabulary "
+        f"(V={vocab} > 4d={4 * d}): the lookup is reduce-scattered onto the hidden shards "
+        "and the head is vocabulary-parallel; no [.., V] partial logits are all-reduced"
+    )
+    return True
+
+
+def _head_readers(prop: Propagator, weight: fx.Node) -> list[fx.Node]:
+    """The contractions reading ``weight`` as ``[V, d]`` when every reader is one or a lookup."""
+    params = set(prop.param_names)
+    heads: list[fx.Node] = []
+
+    def head(n: fx.Node) -> bool:
+        c = as_contraction(n, params)
+        return c is not None and c.weight is weight and c.weight_layout == "out_in"
+
+    for user in weight.users:
+        if op_kind(user) == "embedding" and user.args[1] is weight and user.args[0] is not weight:
+            continue
+        if head(user):
+            heads.append(user)
+        elif user.users and all(head(u) for u in user.users):  # W.t() read by h @ W.t()
+            heads.extend(user.users)
+        else:
+            return []
+    return heads
+
+
+def _plain_lookup(node: fx.Node) -> bool:
+    args = _EMBEDDING_SIGNATURE.bind(*node.args, **node.kwargs).arguments
+    return (
+        args.get("max_norm") is None
+        and not args.get("scale_grad_by_freq", False)
+        and not args.get("sparse", False)
+    )
+
+
+def vocab_parallel_lookup(prop: Propagator, node: fx.Node) -> None:
+    """An embedding whose weight is split on the vocabulary: a partial, then a reduce-scatter.
+
+    Each rank looks up the ids of its vocabulary rows (zeros for the others):
+    summed over ranks that is the full lookup, which a reduce-scatter hands out
+    as hidden shards, the layout of the residual stream (no all-reduce of
+    ``[.., d]`` and no slice after it).
+    """
+    args = _EMBEDDING_SIGNATURE.bind(*node.args, **node.kwargs).arguments
+    ids, weight = args["input"], args["weight"]
+    vocab = shape_of(weight)[0]
+    part = vocab // prop.p
+    lo = prop.rank * part
+    pad = args.get("padding_idx")
+    if pad is not None:
+        pad = pad % vocab
+        pad = pad - lo if lo <= pad < lo + part else None
+    node.target = tp_ops.vocab_shard_embedding
+    node.args, node.kwargs = (ids, weight, pad, lo), {}
+    prop.set(node, P)
+    scattered = prop.to_shard(node, len(shape_of(node)) - 1, node)
+    scattered.meta[C.WHY_META] = "vocab embedding"
+    for user in list(node.users):
+        if user is not scattered:
+            user.replace_input_with(node, scattered)
