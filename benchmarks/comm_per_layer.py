@@ -12,22 +12,18 @@ Strategies
 ``boost``
     ``boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})`` on the CoLA-LLaMA of
     ``boost_compiler.models.cola_llama`` (bottleneck-aware TP), then eager ``model(ids, labels=ids)``.
-``dtensor-lowrank``
-    The same low-rank model with torch DTensor TP, the "standard" plan of BOOST's paper
-    (Megatron applied to each factor pair, i.e. split along r): every ``.down`` factor is
-    ``ColwiseParallel`` and every ``.up`` factor ``RowwiseParallel``. The up factors' outputs
-    are replicated (all-reduced), so attention runs with all heads on every rank: the
-    attention modules keep their global ``n_heads``.
-``dtensor-dense``
-    A dense LLaMA of the same d/d_ff/heads (the CoLA model with every ``LowRankLinear``
-    replaced by ``nn.Linear(d_in, d_out, bias=False)``) with the Megatron plan: q/k/v/gate/up
-    ``ColwiseParallel``, o/down ``RowwiseParallel``; ``attn.n_heads``/``n_kv_heads`` set to the
-    local head counts as torchtitan does.
+``dtensor-lowrank`` / ``dtensor-dense``
+    torch DTensor TP in the plan torchtitan runs for LLaMA (``boost_compiler/bench/peers.py``):
+    sequence-parallel norms and residual stream (all-gather before attention and the FFN,
+    reduce-scatter after o and down), a vocabulary-parallel head under ``loss_parallel``.
+    ``dtensor-lowrank`` is the "standard" low-rank plan of BOOST's paper (Megatron applied to
+    each factor pair, split along r: ``.down`` colwise, ``.up`` rowwise) with that treatment;
+    ``dtensor-dense`` the dense twin (every ``LowRankLinear`` an ``nn.Linear``).
+``dtensor-lowrank-nosp`` / ``dtensor-dense-nosp``
+    The same pairs without sequence parallelism or ``loss_parallel`` (embedding, norms and
+    head replicated: no communication outside the layers), the previous baselines.
 
-In both DTensor strategies the embedding, the norms and the LM head are left replicated
-(plain tensors, identical on every rank): they contribute no communication and, being outside
-the layers, would cancel in the per-layer increment anyway. Each strategy's loss is checked
-against the single-device model's (column "loss err").
+Each strategy's loss is checked against the single-device model's (column "loss err").
 
 What is counted
 ---------------
@@ -71,6 +67,7 @@ if str(ROOT) not in sys.path:  # the spawned workers import this script as bench
 
 from boost_compiler.bench.harness import (  # noqa: E402
     BACKWARD_MARK,
+    NOSP,
     STRATEGIES,
     ModelSpec,
     count_collectives,
@@ -180,10 +177,16 @@ def _analytic(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         "boost-btp": {"fwd": 7 * r + 2, "bwd": 7 * r + 2},
         # outputs of every up factor: q (d) + k, v (kv) + o (d) + gate, up (ff) + down (d);
         # backward: input grads of every down factor: q,k,v,gate,up (d) + o (d) + down (ff).
-        "dtensor-lowrank": {"fwd": d + 2 * kv + d + 2 * ff + d, "bwd": 6 * d + ff},
+        "dtensor-lowrank-nosp": {"fwd": d + 2 * kv + d + 2 * ff + d, "bwd": 6 * d + ff},
         # Megatron: o and down outputs; backward: q,k,v and gate,up input grads, which DTensor
         # all-reduces per module (5d) where Megatron's f would all-reduce once per block (2d).
-        "dtensor-dense": {"fwd": 2 * d, "bwd": 5 * d},
+        "dtensor-dense-nosp": {"fwd": 2 * d, "bwd": 5 * d},
+        # torchtitan (sequence parallel): all-gather d before attention and the FFN,
+        # reduce-scatter d after o and down, each mirrored in the backward (bench/peers.py);
+        # low-rank adds the up factors' all-reduces of q, k, v, gate, up forward and the
+        # o.down / down.down input gradients backward (q/k/v, gate/up sum in the gathers' RS).
+        "dtensor-lowrank": {"fwd": 5 * d + 2 * kv + 2 * ff, "bwd": 5 * d + ff},
+        "dtensor-dense": {"fwd": 4 * d, "bwd": 4 * d},
     }
 
 
@@ -282,10 +285,11 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
     console.print(
         "Analytic elements/token/layer (x4 bytes in fp32): "
         f"boost fwd 7r (+2 norm statistics) = {7 * r}(+2), bwd 7r = {7 * r}; "
-        f"standard low-rank fwd (q+k+v) + o + 2ff + d = 3d+d+2ff+d (MHA) = "
-        f"{analytic['dtensor-lowrank']['fwd']}, bwd 6d+ff = {6 * d + ff}; "
-        f"dense fwd 2d = {2 * d}, bwd 2d (Megatron) / 5d (DTensor, per-module q,k,v,gate,up "
-        f"input-grad all-reduces) = {2 * d} / {5 * d}."
+        f"torchtitan plans: low-rank fwd 5d+2kv+2ff = {analytic['dtensor-lowrank']['fwd']}, "
+        f"bwd 5d+ff = {5 * d + ff}; dense 4d = {4 * d} each way. Without SP (-nosp): "
+        f"low-rank fwd 3d+d+2ff+d (MHA) = {analytic['dtensor-lowrank-nosp']['fwd']}, "
+        f"bwd 6d+ff = {6 * d + ff}; dense fwd 2d = {2 * d}, bwd 5d (DTensor, per-module "
+        f"q,k,v,gate,up input-grad all-reduces) = {5 * d}."
     )
     for s, res in summary["strategies"].items():
         if "error" in res:
@@ -322,8 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
     for s in strategies:
-        if s not in STRATEGIES:
-            ap.error(f"unknown strategy {s!r}; choose from {STRATEGIES}")
+        if s not in STRATEGIES + NOSP:
+            ap.error(f"unknown strategy {s!r}; choose from {STRATEGIES + NOSP}")
 
     results: dict[str, dict[str, Any]] = {}
     for s in strategies:

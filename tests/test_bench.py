@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from boost_compiler import costmodel as cm
-from boost_compiler.bench import gemm
+from boost_compiler.bench import gemm, peers
 from boost_compiler.bench import suite as bench
 from boost_compiler.bench.harness import ModelSpec, spawn
 
@@ -50,11 +50,11 @@ def test_gpu_script_fails_fast_without_gpu() -> None:
 def test_predictions_tiny() -> None:
     """The cost-model prediction per step, by hand for the tiny size (tp=2, fp32, 64 tokens)."""
     t, r, d, ff, L = TINY.tokens, TINY.rank, TINY.d, TINY.ff, TINY.layers
-    lowrank = bench.predict("dtensor-lowrank", TINY, 2)
+    lowrank = bench.predict("dtensor-lowrank-nosp", TINY, 2)
     assert lowrank["fwd_bytes"] == L * t * (5 * d + 2 * ff) * 4
     assert lowrank["bwd_bytes"] == L * t * (6 * d + ff) * 4
     assert (lowrank["fwd_count"], lowrank["bwd_count"]) == (7 * L, 7 * L)
-    dense = bench.predict("dtensor-dense", TINY, 2)
+    dense = bench.predict("dtensor-dense-nosp", TINY, 2)
     assert (dense["fwd_bytes"], dense["bwd_bytes"]) == (L * t * 2 * d * 4, L * t * 5 * d * 4)
     boost = bench.predict("boost", TINY, 2)
     fwd_stats = 2 if boost["formula"] in ("boost", "btp") else 0
@@ -69,12 +69,42 @@ def test_predictions_tiny() -> None:
     assert boost["bwd_bytes"] == L * t * (7 * r + bwd_stats) * 4 + t * 4 + t * d * 4
 
 
+def test_predictions_torchtitan_tiny() -> None:
+    """torchtitan's plans by hand: per layer all-gathers (AG) and reduce-scatters (RS) of
+    [t, d] around each sub-block; outside: embedding RS, head AG, 3 loss statistics."""
+    t, d, ff, L = TINY.tokens, TINY.d, TINY.ff, TINY.layers
+    loss = 3 * TINY.batch * (TINY.seq - 1) * 4
+    norms = (2 * L + 1) * d * 4  # the norm weights' Partial gradients, reduced at AdamW
+    dense = bench.predict("dtensor-dense", TINY, 2)
+    assert dense["fwd_bytes"] == L * 4 * t * d * 4 + 2 * t * d * 4 + loss
+    assert dense["bwd_bytes"] == L * 4 * t * d * 4 + 2 * t * d * 4 + norms
+    assert (dense["fwd_count"], dense["bwd_count"]) == (4 * L + 5, 4 * L + 2 + 2 * L + 1)
+    lowrank = bench.predict("dtensor-lowrank", TINY, 2)
+    # forward: AG x 2 + AR q, k, v + AR gate, up + RS o, down; backward: RS x 2, AG x 2,
+    # AR of the o.down and down.down input gradients
+    assert (
+        lowrank["fwd_bytes"] == L * t * (2 * d + 3 * d + 2 * ff + 2 * d) * 4 + 2 * t * d * 4 + loss
+    )
+    assert lowrank["bwd_bytes"] == L * t * (5 * d + ff) * 4 + 2 * t * d * 4 + norms
+    assert (lowrank["fwd_count"], lowrank["bwd_count"]) == (9 * L + 5, 6 * L + 2 + 2 * L + 1)
+    eager = peers.predict("dtensor-dense", TINY, 2, optimizer=False)
+    assert eager["bwd_bytes"] == dense["bwd_bytes"] - norms
+
+
 def test_analyse_ratios_and_match() -> None:
-    def res(step: float, comm_bytes: tuple[int, int] | None = None) -> dict[str, Any]:
+    def res(
+        step: float, comm_bytes: tuple[int, int] | None = None, world: int = 2, state: int = 0
+    ) -> dict[str, Any]:
+        mem = {"param_bytes": state, "grad_bytes": state, "adamw_bytes": 2 * state,
+               "state_bytes": 4 * state, "step_peak_bytes": 100, "peak_bytes": 3 * state + 100}  # fmt: skip
         r: dict[str, Any] = {
             "step_times": [[step / 2, step / 4, step / 4, step]] * 3,
             "first_step_s": 1.0,
             "losses": [5.0, 4.0],
+            "world": world,
+            "memory": mem,
+            # rank 1 holds more: the table shows the largest rank
+            "memory_ranks": [mem, {**mem, "peak_bytes": 3 * state + 200}],
         }
         if comm_bytes:
             r["comm"] = {
@@ -86,9 +116,10 @@ def test_analyse_ratios_and_match() -> None:
 
     pred = bench.predict("dtensor-lowrank", TINY, 2)
     results = {
-        "boost": res(0.1, (1, 2)),
-        "dtensor-lowrank": res(0.3, (pred["fwd_bytes"], pred["bwd_bytes"])),
-        "eager": res(0.2),
+        "boost": res(0.1, (1, 2), state=1000),
+        "dtensor-lowrank": res(0.3, (pred["fwd_bytes"], pred["bwd_bytes"]), state=3000),
+        "eager": res(0.2, world=1, state=4000),
+        "inductor": res(0.16, world=1, state=4000),
     }
     rows = bench.analyse(results, ["tiny"], 2)["tiny"]
     assert rows["dtensor-lowrank"]["boost_speedup"] == pytest.approx(3.0)
@@ -97,8 +128,34 @@ def test_analyse_ratios_and_match() -> None:
     assert rows["boost"]["bytes_match"] is False
     assert rows["boost"]["tokens_per_s"] == pytest.approx(TINY.tokens / 0.1)
     assert rows["boost"]["loss_vs_eager"] == 0.0
+    # parallel efficiency from the reported medians: T(1 process, Inductor) / (p x T)
+    for system, row in rows.items():
+        p = 2 if system in ("boost", "dtensor-lowrank") else 1
+        assert row["efficiency"] == pytest.approx(rows["inductor"]["step_s"] / (p * row["step_s"]))
+    assert rows["boost"]["efficiency"] == pytest.approx(0.16 / (2 * 0.1))
+    assert rows["inductor"]["efficiency"] == pytest.approx(1.0)
+    mem = rows["dtensor-lowrank"]["memory"]
+    assert mem["state_bytes"] == 12000
+    assert mem["state_bytes"] == mem["param_bytes"] + mem["grad_bytes"] + mem["adamw_bytes"]
+    assert mem["peak_bytes"] == 3 * 3000 + 200  # the worst rank's
     bench.comm_table({"tiny": rows}, 2)
     bench.time_table({"tiny": rows}, 2)
+    text = _render(bench.summary_table({"tiny": rows}, 2))
+    for column in ("tokens/s", "par. eff.", "state/rank MiB", "peak/rank MiB", "vs BOOST"):
+        assert column in text
+    # boost's state is 4000 B, dtensor-lowrank's 12000 B: 3.00x; its efficiency 0.16/0.6
+    line = next(ln for ln in text.splitlines() if "dtensor-lowrank" in ln)
+    assert "3.00x" in line and "0.27" in line
+
+
+def _render(table: Any) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(record=True, width=250, file=io.StringIO())
+    console.print(table)
+    return console.export_text()
 
 
 def test_split_group() -> None:
@@ -113,9 +170,15 @@ def test_split_group() -> None:
     assert out["eager"]["sizes"]["tiny"] == {"error": "boom"}
 
 
+STRATEGIES = ("boost", "dtensor-lowrank", "dtensor-dense", "dtensor-lowrank-nosp",
+              "dtensor-dense-nosp")  # fmt: skip
+
+
 def comm_check(*, rank: int, world: int, mesh: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    """Spawned: one eager profiled step of each strategy at the tiny size; measured vs predicted."""
+    """Spawned: one eager profiled step of each strategy at the tiny size; measured vs predicted,
+    the vocabulary-parallel head and loss of the torchtitan plans, per-rank state bytes."""
     import torch
+    from torch.distributed.tensor import DTensor
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from boost_compiler.bench.harness import (
@@ -123,38 +186,94 @@ def comm_check(*, rank: int, world: int, mesh: Any, spec: dict[str, Any]) -> dic
         count_collectives,
         make_model,
         parallelize,
+        scalar,
     )
+    from boost_compiler.bench.training import adamw_bytes, local_bytes, make_optimizer
     from boost_compiler.models.cola_llama import example_inputs
 
     ms = ModelSpec(**spec)
-    out = {}
-    for strategy in ("boost", "dtensor-lowrank", "dtensor-dense"):
+    out: dict[str, Any] = {}
+    for strategy in STRATEGIES:
         model = make_model(strategy, ms)
         (ids,) = example_inputs(model.cfg, batch=ms.batch, seq=ms.seq)
+        ref = float(make_model(strategy, ms)(ids, labels=ids))
+        single = 4 * local_bytes(model.parameters())  # params + grads + exp_avg + exp_avg_sq
         parallelize(strategy, model, mesh, ids, world)
-        model(ids, labels=ids).backward()  # warm-up
+        res: dict[str, Any] = {"ref": ref, "single_state_bytes": single}
+        with peers.loss_context(strategy):
+            peers.compute_loss(strategy, model, ids).backward()  # warm-up
+        model.zero_grad(set_to_none=True)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            loss = model(ids, labels=ids)
-            with record_function(BACKWARD_MARK):
-                loss.backward()
+            with peers.loss_context(strategy):
+                loss = peers.compute_loss(strategy, model, ids)
+                with record_function(BACKWARD_MARK):
+                    loss.backward()
         torch.distributed.barrier()
         c = count_collectives(prof, world)
-        out[strategy] = {
-            "measured": [c["fwd"]["bytes"], c["bwd"]["bytes"], c["fwd"]["count"], c["bwd"]["count"]]
-        }
+        res["measured"] = [
+            c["fwd"]["bytes"],
+            c["bwd"]["bytes"],
+            c["fwd"]["count"],
+            c["bwd"]["count"],
+        ]
+        res["loss"] = scalar(loss)
+        res["shapes"] = c["shapes"]
+        if strategy in peers.TORCHTITAN:
+            head, embed = model.lm_head.weight, model.embed.weight
+            res["head_local"] = list(head.to_local().shape) if isinstance(head, DTensor) else None
+            res["embed_local"] = (
+                list(embed.to_local().shape) if isinstance(embed, DTensor) else None
+            )
+            logits = model(ids)
+            res["logits"] = [type(logits).__name__, str(logits.placements)]
+            res["loss_type"] = type(loss).__name__
+            res["labels_call"] = scalar(model(ids, labels=ids))  # gathers the logits
+            try:  # without loss_parallel, sharded logits and plain labels do not mix
+                peers.compute_loss(strategy, model, ids)
+                res["without_loss_parallel"] = "ran"
+            except RuntimeError as err:
+                res["without_loss_parallel"] = str(err)[:80]
+        opt = make_optimizer(model, 1e-3)
+        grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        opt.step()
+        res["state_bytes"] = local_bytes(model.parameters()) + grads + adamw_bytes(opt)
+        out[strategy] = res
     return out
 
 
 def test_comm_counting_matches_cost_model_tiny() -> None:
-    """2 processes, eager, 1-layer tiny CoLA-LLaMA: profiler gloo bytes == the cost model's."""
+    """2 processes, eager, 1-layer tiny CoLA-LLaMA: profiler gloo bytes == the cost model's;
+    torchtitan's plans are vocabulary-parallel (head [V/p, d], loss under loss_parallel)."""
     res = spawn(
         "tests.test_bench:comm_check", 2, {"spec": ONE_LAYER.as_dict()}, timeout_s=240, tag="test"
     )
     assert "error" not in res, res.get("traceback")
-    for strategy in ("boost", "dtensor-lowrank", "dtensor-dense"):
-        p = bench.predict(strategy, ONE_LAYER, 2)
-        assert res[strategy]["measured"][:2] == [p["fwd_bytes"], p["bwd_bytes"]], strategy
-        assert res[strategy]["measured"][2:] == [p["fwd_count"], p["bwd_count"]], strategy
+    V, d = ONE_LAYER.vocab, ONE_LAYER.d
+    for strategy in STRATEGIES:
+        r = res[strategy]
+        p = (
+            peers.predict(strategy, ONE_LAYER, 2, optimizer=False)
+            if strategy in peers.TORCHTITAN
+            else bench.predict(strategy, ONE_LAYER, 2)
+        )
+        assert r["measured"][:2] == [p["fwd_bytes"], p["bwd_bytes"]], strategy
+        assert r["measured"][2:] == [p["fwd_count"], p["bwd_count"]], strategy
+        assert r["loss"] == pytest.approx(r["ref"], rel=1e-5), strategy
+        assert r["state_bytes"] < r["single_state_bytes"], strategy
+    for strategy in peers.TORCHTITAN:
+        r = res[strategy]
+        assert r["head_local"] == [V // 2, d] and r["embed_local"] == [V // 2, d], strategy
+        assert r["logits"] == ["DTensor", "(Shard(dim=2),)"], strategy
+        assert r["loss_type"] == "DTensor", strategy  # loss_parallel's replicated loss
+        assert "mixed torch.Tensor and DTensor" in r["without_loss_parallel"], strategy
+        assert r["labels_call"] == pytest.approx(r["ref"], rel=1e-5), strategy
+        # loss_parallel: 3 per-token statistics [b(s-1), 1], never the [b, s, V] logits
+        n = ONE_LAYER.batch * (ONE_LAYER.seq - 1)
+        assert r["shapes"][f"fwd gloo:all_reduce [{n}, 1] float"] == 3, r["shapes"]
+        assert not any(f", {V // 2}]" in k or f", {V}]" in k for k in r["shapes"]), r["shapes"]
+    # per rank, the dense model's state under torchtitan's plan is about half the 1-process one
+    dense = res["dtensor-dense"]
+    assert dense["state_bytes"] < 0.6 * dense["single_state_bytes"]
 
 
 def test_cli_registers_bench(tmp_path: Path) -> None:

@@ -2,28 +2,38 @@
 
 Used by ``boost bench`` (:mod:`.suite`) and ``benchmarks/comm_per_layer.py``.
 
-Strategies (tensor-parallel systems compared by ``comm_per_layer.py`` and ``boost bench``):
+Strategies (the tensor-parallel systems: :data:`STRATEGIES`, those of ``comm_per_layer.py``,
+and :data:`NOSP`, which ``boost bench`` adds on request):
 
 ``boost``
     ``boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})`` on the CoLA-LLaMA of
     ``boost_compiler.models.cola_llama`` (bottleneck-aware TP); compiled with ``backend="boost"``.
 ``dtensor-lowrank``
-    The same low-rank model with torch DTensor TP, the "standard" plan of BOOST's paper
-    (Megatron applied to each factor pair, i.e. split along r): every ``.down`` factor is
-    ``ColwiseParallel`` and every ``.up`` factor ``RowwiseParallel``. The up factors' outputs
-    are replicated (all-reduced), so attention runs with all heads on every rank: the
-    attention modules keep their global ``n_heads``.
+    The same low-rank model with torch DTensor TP in the configuration torchtitan runs for
+    LLaMA (:mod:`.peers` says where it was read): the "standard" plan of BOOST's paper inside
+    the blocks (Megatron per factor pair, split along r: ``.down`` factors
+    ``ColwiseParallel``, ``.up`` factors ``RowwiseParallel``) with sequence parallelism
+    (norms ``SequenceParallel``, block inputs gathered by ``PrepareModuleInput``, o/down's up
+    factors reduce-scattering into the sequence-sharded residual), a vocabulary-parallel
+    embedding and head, and the loss under ``loss_parallel()``. Attention runs with all
+    heads on every rank (the q/k/v up factors all-reduce): global ``n_heads``.
 ``dtensor-dense``
     A dense LLaMA of the same d/d_ff/heads (the CoLA model with every ``LowRankLinear``
-    replaced by ``nn.Linear(d_in, d_out, bias=False)``) with the Megatron plan of torch's TP
-    tutorial: q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``;
-    ``attn.n_heads``/``n_kv_heads`` set to the local head counts, as the tutorial does.
+    replaced by ``nn.Linear(d_in, d_out, bias=False)``) with torchtitan's plan itself:
+    q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel(output_layouts=Shard(1))``,
+    the same norms, embedding, head and loss; ``attn.n_heads``/``n_kv_heads`` local.
+``dtensor-lowrank-nosp``, ``dtensor-dense-nosp``
+    The previous baselines, kept as extra systems: the same Megatron plans inside the
+    blocks only (o/down's outputs all-reduced), embedding, norms and LM head replicated,
+    the full [b, s, V] logits and loss on every rank. On gloo, whose reduce-scatter is an
+    all-reduce of the full input, sequence parallelism adds traffic (an all-reduce becomes
+    an all-reduce plus an all-gather); these show what it costs there.
 
-In both DTensor strategies the embedding, the norms and the LM head are left replicated
-(plain tensors, identical on every rank): no communication. torch's optional
-``SequenceParallel`` / ``loss_parallel`` styles are not used: they save activation memory,
-and on gloo (whose reduce-scatter is an all-reduce of the full input) they would only add
-traffic, i.e. weaken the baseline.
+The torchtitan plans are the defaults: BOOST is compared with the configuration its peers
+recommend and run, not with the one that happens to suit gloo. Their training step is
+``with peers.loss_context(s): loss = peers.compute_loss(s, run, ids); loss.backward()``;
+``model(ids, labels=ids)`` still works on them (it gathers the logits: exact, for
+callers that compute the loss inside the model).
 
 Counting: every profiler event whose name starts with ``gloo:`` / ``nccl:`` (the backend's
 own events, one per collective that runs, whatever issued it: c10d, functional collectives,
@@ -52,13 +62,14 @@ from typing import Any
 import torch
 from torch import nn
 
-STRATEGIES = ("boost", "boost-btp", "dtensor-lowrank", "dtensor-dense")
+from .peers import PROJS, TORCHTITAN
+
+# comm_per_layer.py's list (its analytic table knows these names); parallelize also takes NOSP
+STRATEGIES = ("boost", "boost-btp", *TORCHTITAN)
+NOSP = ("dtensor-lowrank-nosp", "dtensor-dense-nosp")  # the previous DTensor baselines
+DENSE = ("dtensor-dense", "dtensor-dense-nosp")  # the strategies that train the dense twin
 # BTP alone: group_linears and online_norm off (what those two passes improve on).
 BTP_ONLY = {"group_linears": False, "online_norm": False}
-PROJS = {
-    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "mlp": ("gate_proj", "up_proj", "down_proj"),
-}
 COMM_PREFIXES = ("gloo:", "nccl:")
 BACKWARD_MARK = "bench::backward"
 
@@ -104,7 +115,7 @@ class ModelSpec:
 
 
 def make_model(strategy: str, spec: ModelSpec, seed: int = 0) -> nn.Module:
-    """The low-rank CoLA-LLaMA of ``spec`` (fp32, CPU), or its dense twin for ``dtensor-dense``."""
+    """The low-rank CoLA-LLaMA of ``spec`` (fp32, CPU), or its dense twin for :data:`DENSE`."""
     from ..models.cola_llama import LowRankLinear, build
 
     model = build(
@@ -119,7 +130,7 @@ def make_model(strategy: str, spec: ModelSpec, seed: int = 0) -> nn.Module:
         n_layers=spec.layers,
         max_seq_len=max(256, spec.seq),
     )
-    if strategy == "dtensor-dense":
+    if strategy in DENSE:
         torch.manual_seed(seed + 1)
         for block in model.layers:
             for sub, names in PROJS.items():
@@ -133,7 +144,7 @@ def make_model(strategy: str, spec: ModelSpec, seed: int = 0) -> nn.Module:
 
 
 def dtensor_plan(strategy: str, n_layers: int) -> dict[str, Any]:
-    """torch TP plan: Megatron on each factor pair (``dtensor-lowrank``) or on the dense model."""
+    """The ``-nosp`` plans: Megatron on each factor pair (low-rank) or on the dense model."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan: dict[str, Any] = {}
@@ -141,7 +152,7 @@ def dtensor_plan(strategy: str, n_layers: int) -> dict[str, Any]:
         for sub, names in PROJS.items():
             for name in names:
                 fqn = f"layers.{i}.{sub}.{name}"
-                if strategy == "dtensor-lowrank":
+                if strategy not in DENSE:
                     # Megatron on each factor pair: split r.
                     plan[f"{fqn}.down"] = ColwiseParallel()
                     plan[f"{fqn}.up"] = RowwiseParallel()
@@ -160,10 +171,17 @@ def parallelize(strategy: str, model: nn.Module, mesh: Any, ids: torch.Tensor, w
         options = BTP_ONLY if strategy == "boost-btp" else None
         boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids}, options=options)
         return
+    if strategy in TORCHTITAN:
+        from .peers import apply_tp
+
+        apply_tp(model, mesh, lowrank=strategy not in DENSE, world=world)
+        return
+    if strategy not in NOSP:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES + NOSP}")
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, mesh, dtensor_plan(strategy, len(model.layers)))
-    if strategy == "dtensor-dense":
+    if strategy in DENSE:
         for block in model.layers:  # heads are sharded: the views must use local counts
             attn = block.attn
             if attn.n_heads % world or attn.n_kv_heads % world:

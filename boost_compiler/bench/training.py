@@ -1,8 +1,11 @@
 """One benchmarked training run (runs inside a spawned process; see ``harness.spawn``).
 
 A system is one of :data:`SYSTEMS`. Every system trains the same CoLA-LLaMA (same seed, same
-batches, AdamW), except ``dtensor-dense`` which trains the dense twin; so the losses of the
-low-rank systems must agree step by step, a check that each one computes the same model.
+batches, AdamW), except the ``dtensor-dense*`` ones which train the dense twin; so the losses
+of the low-rank systems must agree step by step, a check that each one computes the same
+model (loss_parallel computes the same loss). The torchtitan-plan systems compute their loss
+outside the model, from the vocabulary-sharded logits, under ``loss_parallel()``
+(:mod:`.peers`); the others through the model's ``labels=``.
 
 Timing: the systems of one group (the tensor-parallel ones on the same ranks, or the
 single-process ones) are set up side by side; each runs ``warmup`` steps (the first
@@ -10,7 +13,8 @@ compiles); then ``steps`` timed rounds run every system once, in rotating order,
 in the machine's background load hits them all alike. Each timed step starts after a
 barrier (tensor-parallel systems) so the ranks start together; a step's time is the slowest
 rank's ``forward + backward + optimizer`` wall time (CPU: synchronous). One more step of
-each system runs under ``torch.profiler``: its collectives and where its time goes.
+each system runs under ``torch.profiler``: its collectives, where its time goes, and its
+memory (:func:`memory_of_step`).
 """
 
 from __future__ import annotations
@@ -22,35 +26,102 @@ import torch
 
 from .harness import (
     BACKWARD_MARK,
+    NOSP,
     ModelSpec,
     count_collectives,
     make_model,
     parallelize,
     scalar,
 )
+from .peers import TORCHTITAN, compile_blocks, compute_loss, loss_context
 
-TP_SYSTEMS = ("boost", "dtensor-lowrank", "dtensor-dense")
+NOSP_SYSTEMS = NOSP  # extra systems, not in the defaults
+TP_SYSTEMS = ("boost", *TORCHTITAN, *NOSP_SYSTEMS)
 SINGLE_SYSTEMS = ("eager", "inductor")
 SYSTEMS = TP_SYSTEMS + SINGLE_SYSTEMS
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in NOSP_SYSTEMS)
 N_BATCHES = 4  # a small pool of fixed batches, cycled
 
 
-def _profiled_step(run: Any, opt: Any, ids: torch.Tensor, world: int) -> dict[str, Any]:
-    """One more step under torch.profiler: its collectives and where its time goes."""
+def local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of ``tensors`` (a DTensor: its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def adamw_bytes(opt: torch.optim.Optimizer) -> int:
+    """AdamW's state on this rank: exp_avg + exp_avg_sq (the 4-byte step counters left out)."""
+    return local_bytes(
+        v for st in opt.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")
+    )
+
+
+def _step_peak_bytes(prof: Any) -> int | None:
+    """Peak of the bytes allocated during the profiled window over those live at its start.
+
+    From the profiler's allocation records (``profile_memory=True``): every CPU allocation
+    and free through c10's allocator, in time order. ``prof.events()`` only keeps those
+    outside any op, so the raw records are read from the kineto results.
+    """
+    try:
+        records = prof.profiler.kineto_results.events()
+    except AttributeError:  # another torch: the private attribute moved
+        return None
+    running = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in records if e.name() == "[memory]"):
+        running += nbytes
+        peak = max(peak, running)
+    return peak
+
+
+def memory_of_step(params: int, adamw: int, grads: int, step_peak: int | None) -> dict[str, Any]:
+    """One rank's memory: its state bytes and the step's peak of tensor memory.
+
+    ``peak_bytes`` = what is live when the step starts (parameters and AdamW state; the
+    gradients are None, zero_grad(set_to_none=True)) + the profiler's peak of allocations
+    during forward, backward and AdamW (activations, gradients, temporaries). Tensors the
+    step does not own (the batches, RoPE tables, compiled graphs' constants) are left out.
+    This bench runs on CPU; on a GPU the counterpart would be torch.cuda.max_memory_allocated.
+    """
+    return {
+        "param_bytes": params,
+        "grad_bytes": grads,
+        "adamw_bytes": adamw,
+        "state_bytes": params + grads + adamw,
+        "step_peak_bytes": step_peak,
+        "peak_bytes": None if step_peak is None else params + adamw + step_peak,
+    }
+
+
+def _profiled_step(
+    system: str, run: Any, model: torch.nn.Module, opt: Any, ids: torch.Tensor, world: int
+) -> dict[str, Any]:
+    """One more step under torch.profiler: its collectives, where its time goes, its memory."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        loss = run(ids, labels=ids)
-        with record_function(BACKWARD_MARK):
-            loss.backward()
+    params, adamw = local_bytes(model.parameters()), adamw_bytes(opt)
+    cpu = [ProfilerActivity.CPU]
+    with profile(activities=cpu, record_shapes=True, profile_memory=True) as prof:
+        with loss_context(system):
+            loss = compute_loss(system, run, ids)
+            with record_function(BACKWARD_MARK):
+                loss.backward()
+        # read between backward and the optimizer: the only moment the gradients exist
+        grads = local_bytes(p.grad for p in model.parameters() if p.grad is not None)
         with record_function("bench::optimizer"):
             opt.step()
             opt.zero_grad(set_to_none=True)
     out: dict[str, Any] = {"comm": count_collectives(prof, world)}
+    out["memory"] = memory_of_step(params, adamw, grads, _step_peak_bytes(prof))
     events = prof.events()
     span = [e for e in events if e.name.startswith(("bench::", "gloo:", "nccl:"))]
     out["marks_us"] = {e.name: e.cpu_time_total for e in span if e.name.startswith("bench::")}
@@ -68,7 +139,7 @@ def _profiled_step(run: Any, opt: Any, ids: torch.Tensor, world: int) -> dict[st
 def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """Fused AdamW, the same for every system (torchtitan's default; on CPU torch's own default
     would be the per-tensor for-loop). DTensor parameters and the plain ones (embedding, norms,
-    LM head of the DTensor plans) go in two groups: one fused call cannot mix them."""
+    LM head of the ``-nosp`` plans) go in two groups: one fused call cannot mix them."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -122,6 +193,9 @@ def _compile(system: str, model: torch.nn.Module) -> Any:
         return torch.compile(model, backend="boost")  # the defaults: every boost pass
     if system == "eager":
         return model
+    if system in TORCHTITAN:  # torchtitan's apply_compile: per block, the rest eager
+        compile_blocks(model)
+        return model
     # torch's own stack: DTensor TP (or a single device) under the default Inductor backend.
     return torch.compile(model, backend="inductor")
 
@@ -143,6 +217,8 @@ def run_group(
     Returns ``{"sizes": {size: {system: result}}}``; a system that fails at a size is kept
     as ``{"error": ..., "traceback": ...}`` and the others go on.
     """
+    import resource
+
     out: dict[str, Any] = {}
     for name, spec in specs.items():
         torch._dynamo.reset()
@@ -150,6 +226,10 @@ def run_group(
         for system, sysrun in list(out[name].items()):
             if isinstance(sysrun, _System):
                 out[name][system] = sysrun.finish(profile)
+                # the process's RSS high-water mark so far (Linux: KiB), every system and
+                # size of this group included: context for the JSON, not a per-system figure
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                out[name][system]["rss_hwm_bytes"] = rss
     return {"sizes": out}
 
 
@@ -191,9 +271,10 @@ class _System:
     def step(self, i: int, record: bool = True) -> None:
         ids = self.batches[i % N_BATCHES]
         t_a = time.perf_counter()
-        loss = self.run(ids, labels=ids)
-        t_b = time.perf_counter()
-        loss.backward()
+        with loss_context(self.system):  # loss_parallel covers forward and backward
+            loss = compute_loss(self.system, self.run, ids)
+            t_b = time.perf_counter()
+            loss.backward()
         t_c = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -214,9 +295,16 @@ class _System:
         out["step_times"] = t.tolist()
         if profile:
             ids = self.batches[len(self.losses) % N_BATCHES]
-            out["profile"] = _profiled_step(self.run, self.opt, ids, self.world)
+            prof = _profiled_step(self.system, self.run, self.model, self.opt, ids, self.world)
+            out["profile"] = prof
+            out["memory"] = prof.pop("memory")
             if self.world > 1:
-                out["comm"] = out["profile"].pop("comm")
+                import torch.distributed as dist
+
+                out["comm"] = prof.pop("comm")
+                ranks: list[Any] = [None] * self.world
+                dist.all_gather_object(ranks, out["memory"])
+                out["memory_ranks"] = ranks
         out["losses"] = self.losses
         if self.system == "boost":
             out["fallbacks"] = list(self.model.boost_plan.fallbacks)
