@@ -4,11 +4,12 @@ Every model is tiny and fp32. Construction draws from the global RNG, so a model
 deterministic given ``torch.manual_seed``; each ``make_<name>(seed=0)`` seeds it and
 returns ``(model, example_inputs_tuple)``. ``MAKERS`` maps names to these functions.
 
-Which variants contain a low-rank bottleneck (a d -> r contraction, elementwise ops,
-an r -> d' contraction, with r smaller than both sides):
+Which variants contain a low-rank bottleneck (a d -> r contraction, elementwise ops
+or a norm over r, an r -> d' contraction, with r smaller than both sides):
 
     cola_llama, cola_ref_layout, gpt2_svd, gqa_cola, svd_pair, fused_qkv_up   yes
-    dense, norm_between                                                       no
+    norm_between (a latent chain, as MLA's)                                   yes
+    dense                                                                     no
 
 (``HAS_BOTTLENECK`` records the same.)
 """
@@ -362,8 +363,9 @@ class Dense(nn.Module):
 class NormBetween(nn.Module):
     """``down: d -> r``, LayerNorm(r), ``up: r -> d``.
 
-    The norm reduces over r, so it is not elementwise: this must NOT count as a
-    bottleneck (sharding r would need the norm's statistics across shards).
+    The norm reduces over r, so it is not elementwise; under BTP r is replicated
+    after the down factor's all-reduce, so it is local: a latent chain (like
+    DeepSeek's MLA, ``kind="latent"``), not a plain factor pair.
     """
 
     def __init__(self, d: int = 64, rank: int = 16) -> None:
@@ -467,7 +469,7 @@ HAS_BOTTLENECK: dict[str, bool] = {
     "svd_pair": True,
     "fused_qkv_up": True,
     "dense": False,
-    "norm_between": False,
+    "norm_between": True,
 }
 
 

@@ -103,10 +103,15 @@ def test_gpt2_svd_with_fused_qkv_and_biases() -> None:
     assert any(b.d_out == 3 * b.d_in for b in found)  # the fused q/k/v up factor
 
 
-def test_no_bottleneck_in_dense_or_norm_between() -> None:
-    for make in (models.make_dense, models.make_norm_between):
-        model, inputs = make()
-        assert detect(model, inputs) == []
+def test_no_bottleneck_in_dense_and_a_latent_one_with_a_norm_between() -> None:
+    model, inputs = models.make_dense()
+    assert detect(model, inputs) == []
+    # A norm over r runs on the replicated latent under BTP: a latent chain (MLA's shape).
+    model, inputs = models.make_norm_between()
+    [b] = detect(model, inputs)
+    assert (b.kind, b.down, b.up, b.rank, b.latent, b.ops) == (
+        "latent", "down.weight", "up.weight", 16, 16, ("layer_norm",)
+    )  # fmt: skip
 
 
 def test_rank_not_smaller_than_both_ends_is_not_a_bottleneck() -> None:

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from tests.mutation_checks import _gather, _rel
-from tests.region_checks import _gloo_events
 
 LAYERS, VOCAB = 2, 96
 _DIMS: dict[str, Any] = dict(
@@ -99,18 +98,37 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 # fmt: on
 MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
 
+# DeepSeek-V3 variants for tests/test_mla.py: key -> (family, config overrides, to_low_rank
+# keyword arguments). In the zoo's own conversion the q a/b projections become CoLA pairs
+# and the kv ones stay dense (their ranks round to 0); "dense-mla" keeps every MLA
+# projection dense (the latent chains as DeepSeek ships them), "no-q-lora" has a plain
+# q_proj (q_lora_rank=None), "dense-mlp" no MoE layer (every forward collective known),
+# "factored" every MLA projection a CoLA pair.
+_MLA = ["*.q_a_proj", "*.q_b_proj", "*.kv_a_proj_with_mqa", "*.kv_b_proj"]
+VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "deepseek_v3/dense-mla": ("deepseek_v3", {}, {"exclude": _MLA}),
+    "deepseek_v3/no-q-lora": ("deepseek_v3", {"q_lora_rank": None}, {}),
+    "deepseek_v3/dense-mlp": ("deepseek_v3", {"first_k_dense_replace": LAYERS}, {}),
+    # rank_ratio 1/2: kv_a (64 -> 8 -> 24) and kv_b (16 -> 8 -> 96) are CoLA pairs too
+    "deepseek_v3/factored": ("deepseek_v3", {}, {"rank_ratio": 0.5}),
+}
 
-def build(family: str) -> torch.nn.Module:
-    """The family's ``*ForCausalLM`` from its tiny config, CoLA-converted, in training mode."""
+
+def build(family: str, **overrides: Any) -> torch.nn.Module:
+    """The family's ``*ForCausalLM`` from its tiny config, CoLA-converted, in training mode.
+
+    ``family`` may be a key of :data:`VARIANTS`; ``overrides`` change the config further.
+    """
     import transformers as tf
 
     import boost_compiler
 
-    cfg_name, model_name, kwargs = FAMILIES[family]
+    base, changes, lowrank = VARIANTS.get(family, (family, {}, {}))
+    cfg_name, model_name, kwargs = FAMILIES[base]
     torch.manual_seed(0)
-    cfg = getattr(tf, cfg_name)(**kwargs)
+    cfg = getattr(tf, cfg_name)(**{**kwargs, **changes, **overrides})
     model = getattr(tf, model_name)(cfg)
-    boost_compiler.to_low_rank(model, method="cola", multiple_of=8)
+    boost_compiler.to_low_rank(model, method="cola", multiple_of=8, **lowrank)
     return model.train()
 
 
@@ -149,7 +167,7 @@ def zoo_family(
         return {"refused": f"{type(exc).__name__}: {exc}"}
     plan = model.boost_plan
     run = torch.compile(model, backend="boost") if compiled else model
-    forward = _gloo_events(lambda: run(ids, **kwargs))  # the collectives of one forward
+    wire = _wire(lambda: run(ids, **kwargs))  # the collectives of one forward, as they ran
     errs = _train(model, ref, ids, world, steps=steps, lr=lr, run=run)
     if noise:  # what fp32 rounding alone does: a perturbed single-device twin
         twin, ref2 = build(family), build(family)
@@ -162,12 +180,26 @@ def zoo_family(
         **errs,
         "bottlenecks": len(plan.bottlenecks),
         "fallbacks": list(plan.fallbacks),
-        "forward_collectives": forward,
-        "per_layer": forward / LAYERS,
+        "forward_collectives": len(wire),
+        "forward_wire": wire,
+        "per_layer": len(wire) / LAYERS,
         "planned_forward": dict(Counter(c.kind for c in plan.collectives if c.forward)),
         "seconds": time.perf_counter() - wall,
         "cpu_s": time.process_time() - cpu,
     }
+
+
+def _wire(fn: Any) -> list[tuple[str, list[int]]]:
+    """The gloo collectives ``fn`` ran, in order: (event name, shape of its tensor)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [
+        (e.name, list(e.input_shapes[0]) if e.input_shapes and e.input_shapes[0] else [])
+        for e in prof.events()
+        if e.name.startswith("gloo:")
+    ]
 
 
 def _train(model, ref, ids, world, *, steps, lr, plain=False, run=None) -> dict[str, Any]:
@@ -178,7 +210,7 @@ def _train(model, ref, ids, world, *, steps, lr, plain=False, run=None) -> dict[
     errs: dict[str, Any] = {"logits": [], "loss": [], "grad": []}
     for step in range(steps):
         labels = ids.roll(step + 1, dims=1)  # cross-entropy against fixed targets
-        out = (run or model)(ids, labels=labels, use_cache=False)
+        out = (model if run is None else run)(ids, labels=labels, use_cache=False)
         out_ref = ref(ids, labels=labels, use_cache=False)
         errs["logits"].append(_rel(out.logits.detach(), out_ref.logits.detach()))
         errs["loss"].append(_rel(out.loss.detach(), out_ref.loss.detach()))

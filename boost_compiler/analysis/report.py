@@ -23,7 +23,8 @@ def bottleneck_table(bottlenecks: Sequence[Bottleneck], title: str = "Bottleneck
             str(i),
             b.module or "·",
             f"[cyan]{b.down.removeprefix(prefix)}[/] → [magenta]{b.up.removeprefix(prefix)}[/]",
-            f"{b.d_in} → [bold]{b.rank}[/] → {b.d_out}",
+            f"{b.d_in} → [bold]{b.rank}[/] → {b.d_out}"
+            + (f" (latent {b.latent})" if b.kind == "latent" else ""),
             " → ".join(b.ops) or "identity",
         )
     return table

@@ -65,6 +65,11 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "ones_like": (torch.ones_like,),
     "full_like": (torch.full_like,),
     "empty_like": (torch.empty_like,),
+    # x.new_*(sizes): HF's DeepSeek-V3 builds its keys in one (``expand_kv``)
+    "new_empty": ("new_empty",),
+    "new_zeros": ("new_zeros",),
+    "new_ones": ("new_ones",),
+    "new_full": ("new_full",),
     # contractions
     "linear": (F.linear,),  # F.linear is torch._C._nn.linear
     "matmul": (torch.matmul, operator.matmul, "matmul", "__matmul__"),

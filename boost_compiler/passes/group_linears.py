@@ -131,7 +131,9 @@ def _group_ups(graph: fx.Graph, ups: list[fx.Node], tp: object) -> None:
         return
     latents = [c.args[0] for c in copies] if tp is not None else inputs
     sizes = [last_size(h) for h in latents]
-    if None in sizes:
+    # One cat needs one leading shape: MLA's q latent is [b, s, r], its kv latent [b, 1, s, r].
+    # (str: a symbolic size is not hashable, and == on it would add a guard)
+    if None in sizes or len({str(tuple(value_of(h).shape[:-1])) for h in latents}) != 1:
         return
     last = max(ups, key=_position)
     with graph.inserting_before(last):

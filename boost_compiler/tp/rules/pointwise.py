@@ -6,7 +6,8 @@ output from its shards of the inputs, and a replicated operand is sliced to
 the same shard (no communication) unless it broadcasts along the shard dim.
 Inputs sharded on different output dims cannot be combined locally: they fall
 back. Dropout is the one op here whose values are random; it draws an
-independent mask per shard.
+independent mask per shard. ``x.new_empty(sizes)`` and its kin read only ``x``'s
+dtype and device: shaped like the shard, they are made locally, never gathered.
 """
 
 from __future__ import annotations
@@ -56,6 +57,37 @@ def elementwise(prop: Propagator, node: fx.Node) -> None:
         elif prop.peek(a) == R:
             node.replace_input_with(a, prop.to_shard(a, j, node))
     prop.set(node, S(k))
+
+
+NEW_TENSORS = ("new_empty", "new_zeros", "new_ones", "new_full")
+
+
+@rule(*NEW_TENSORS)
+def new_tensor(prop: Propagator, node: fx.Node) -> None:
+    """``x.new_empty(sizes)`` of a shard: the shard's piece, made locally; else replicated.
+
+    The values of ``x`` are never read, so nothing is gathered: a tensor with ``x``'s
+    rank and ``x``'s global size on the shard dim is made at the local size there (a
+    buffer the shard's values are written into, HF's MLA keys), anything else whole.
+    """
+    x, pl = node.args[0], prop.placement(node.args[0])
+    full = node.op == "call_method" and node.target == "new_full"
+    sizes = node.args[1] if full or len(node.args) == 2 else node.args[1:]
+    if isinstance(sizes, int):
+        sizes = (sizes,)
+    src, out = shape_of(x), shape_of(node)
+    if (
+        not pl.is_shard or pl.blocks or src is None or out is None or len(out) != len(src)
+        or out[pl.dim] != src[pl.dim] or not isinstance(sizes, (tuple, list))
+        or len(sizes) != len(out) or not isinstance(sizes[pl.dim], int)
+    ):  # fmt: skip
+        prop.env[node] = R
+        return
+    local = list(sizes)
+    local[pl.dim] //= prop.p
+    rest = node.args[2:] if full else ()
+    node.args = (x, tuple(local), *rest) if full or len(node.args) == 2 else (x, *local)
+    prop.env[node] = pl  # no input value is read: no copy_to_tp, nothing to sum back
 
 
 @rule("dropout")

@@ -23,6 +23,7 @@ from .registry import Propagator, rule
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 _RESHAPES = ("view", "reshape", "flatten")
+_PURE = ("clone", "contiguous", "expand")  # a dead chain of these computes nothing anyone reads
 
 
 @rule("split", "chunk", reads_blocks=True)
@@ -150,7 +151,53 @@ def cat(prop: Propagator, node: fx.Node) -> None:
 def _shard_replicated(prop: Propagator, node: fx.Node, tensors: list[Any], dim: int) -> None:
     for t in tensors:
         if prop.placement(t) == R:
-            node.replace_input_with(t, prop.to_shard(t, dim, node))
+            _use_local_piece(prop, node, t, dim)
+
+
+def _use_local_piece(prop: Propagator, node: fx.Node, t: fx.Node, dim: int) -> None:
+    """``node`` reads :func:`_local_piece` of ``t``; a full broadcast no one reads is dropped."""
+    node.replace_input_with(t, _local_piece(prop, t, dim, node))
+    dead = t
+    while dead.op in ("call_function", "call_method") and not dead.users and op_kind(dead) in _PURE:
+        nxt = dead.args[0]
+        prop.graph.erase_node(dead)  # walked already, and nothing reads it any more
+        if not isinstance(nxt, fx.Node):
+            break
+        dead = nxt
+
+
+def _local_piece(prop: Propagator, t: fx.Node, dim: int, user: fx.Node) -> Any:
+    """This rank's piece of a replicated ``t`` along ``dim``: sliced, or broadcast locally.
+
+    MLA's shared rotary key ``k_pe`` (``[b, 1, s, rope]``, replicated after the latent
+    all-reduce) is expanded to every head and joined to the head-sharded keys. Slicing
+    the expanded value (``scatter_to_tp``) is free forward but all-gathers
+    ``[b, H, s, rope]`` in the backward; expanding ``k_pe`` to the local heads instead
+    reads it through ``copy_to_tp`` (f), whose backward all-reduces ``[b, 1, s, rope]``,
+    an ``H``-th of that. Same values: every head's piece is the same ``k_pe``.
+    """
+    src = t
+    while op_kind(src) in ("clone", "contiguous") and len(src.all_input_nodes) == 1:
+        src = src.args[0]
+    base, out = (src.args[0] if op_kind(src) == "expand" else None), shape_of(src)
+    base_shape = shape_of(base)
+    sizes = src.args[1:] if base is not None else ()
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = tuple(sizes[0])
+    j = dim - (len(out) - len(base_shape)) if base_shape and out else -1
+    if (
+        base is None or out is None or src.kwargs or prop.placement(base) != R
+        or len(sizes) != len(out)
+        or not isinstance(out[dim], int) or out[dim] % prop.p or (j >= 0 and base_shape[j] != 1)
+    ):  # fmt: skip
+        return prop.to_shard(t, dim, user)  # not a broadcast along dim: slice it
+    local = list(sizes)
+    local[dim] = out[dim] // prop.p
+    with prop.graph.inserting_before(user):
+        piece = prop.graph.call_method("expand", (base, *local))
+    piece.meta["example_value"] = value_of(src)  # global shapes, as every node's
+    prop.set(piece, S(dim))  # f on the replicated base: its gradient sums the heads' parts
+    return piece
 
 
 @rule("slice_scatter", "select_scatter")
@@ -174,7 +221,7 @@ def scatter(prop: Propagator, node: fx.Node) -> None:
     if pb == R:
         node.replace_input_with(base, prop.to_shard(base, k, node))
     if ps == R:
-        node.replace_input_with(src, prop.to_shard(src, k_src, node))
+        _use_local_piece(prop, node, src, k_src)
     prop.set(node, S(k))
 
 
