@@ -30,6 +30,7 @@ from .errors import (
     BoostError,
     CaptureError,
     ConversionError,
+    HFFolderError,
     HookAfterParallelizeError,
     MeshError,
     MutationError,
@@ -45,6 +46,7 @@ from .errors import (
     UnsupportedModuleError,
 )
 from .explain import Report, explain
+from .hf_io import from_pretrained
 from .ir.capture import CapturedGraph, capture
 from .options import BoostOptions
 from .tp.parallel import parallelize
@@ -64,6 +66,7 @@ __all__ = [
     "CapturedGraph",
     "ConversionError",
     "ConversionReport",
+    "HFFolderError",
     "HookAfterParallelizeError",
     "ParallelModelCopyError",
     "LayerConversion",
@@ -88,6 +91,7 @@ __all__ = [
     "capture",
     "detect",
     "explain",
+    "from_pretrained",
     "gather_state_dict",
     "load_state_dict",
     "parallel_state",

@@ -47,6 +47,7 @@ __all__ = [
     "PatternError",
     "RankError",
     "UnsupportedModuleError",
+    "low_rank_layout",
     "to_low_rank",
 ]
 
@@ -81,6 +82,26 @@ class LowRankLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.up(self.act(self.down(x)))
+
+    @property
+    def activation(self) -> str | None:
+        """``"silu"`` (CoLA) or ``None`` (SVD): the constructor's ``activation``."""
+        return "silu" if isinstance(self.act, nn.SiLU) else None
+
+
+def low_rank_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Every :class:`LowRankLinear` of ``model``: name -> its shape, rank, bias, activation.
+
+    What it takes to rebuild the same structure on a fresh dense model of the same
+    architecture without running the conversion again (``boost_compiler.from_pretrained``
+    reads it from a folder's ``config.json``): the factors' values come from the weights.
+    """
+    return {
+        name: {"in_features": mod.in_features, "out_features": mod.out_features,
+               "rank": mod.rank, "bias": mod.up.bias is not None, "activation": mod.activation}
+        for name, mod in model.named_modules()
+        if isinstance(mod, LowRankLinear)
+    }  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -118,3 +118,14 @@ class DataError(BoostError, ValueError):
 
 class VocabSizeError(DataError):
     """The model's vocabulary cannot hold the tokenizer's ids (names both sizes)."""
+
+
+class HFFolderError(BoostError, ValueError):
+    """A Hugging Face model folder that cannot be read or written as asked: no config.json,
+    a ``boost_low_rank`` layout that does not fit the model, weights that do not match it
+    (names the file, the key or the module)."""
+
+
+class RankFailureError(BoostError, RuntimeError):
+    """A collective failed because another rank exited, hung past ``--comm-timeout`` or closed
+    its connection (names the lost rank when it is on this host); resume from a checkpoint."""

@@ -95,3 +95,20 @@ def trainer(pp: int, m: int, *, world: int, mesh: Any) -> dict[str, Any]:
                       progress=False)  # fmt: skip
     res = train(cfg)
     return {"losses": res.losses, "grad_norms": res.grad_norms}
+
+
+def resumed_trainer(
+    pp: int, dp: int, tp: int, ckdir: str, stop_at: int, *, steps: int, m: int = 2,
+    world: int, mesh: Any, **kw: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """``train`` at (pp, dp, tp) up to step ``stop_at`` of ``steps``, resuming from and saving
+    to ``ckdir`` (the ``--checkpoint-dir ... --resume --stop-at`` path)."""
+    from boost_compiler.train import TrainConfig, train
+
+    del mesh, world
+    cfg = TrainConfig(**{**TRAIN, "steps": steps}, pp=pp, dp=dp, tp=tp, microbatches=m,
+                      checkpoint_dir=ckdir, resume=True, stop_at=stop_at, compile=False,
+                      progress=False, **kw)  # fmt: skip
+    res = train(cfg)
+    return {"losses": res.losses, "grad_norms": res.grad_norms, "start": res.start_step,
+            "checkpoint": str(res.checkpoint)}  # fmt: skip

@@ -50,10 +50,12 @@ COMMANDS: dict[str, CommandSpec] = {
     ),
     "bench": CommandSpec("boost_compiler.cli.bench:BENCH", "measured: boost vs DTensor TP"),
     "train": CommandSpec(
-        "boost_compiler.cli.train:TRAIN", "pre-train CoLA-LLaMA: DP x BTP, DCP checkpoints"
+        "boost_compiler.cli.train:TRAIN",
+        "pre-train CoLA-LLaMA or a Hugging Face model: DP x BTP, DCP checkpoints",
     ),
     "export": CommandSpec(
-        "boost_compiler.cli.train:EXPORT", "training checkpoint -> single-device safetensors"
+        "boost_compiler.cli.train:EXPORT",
+        "training checkpoint -> single-device safetensors, or a Hugging Face folder",
     ),
 }
 

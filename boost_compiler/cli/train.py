@@ -13,6 +13,7 @@ import os
 
 from rich.console import Console
 
+from ..errors import TrainConfigError
 from ..train.config import add_arguments, from_args
 from . import Command
 
@@ -32,16 +33,42 @@ def _train_run(args: argparse.Namespace) -> int:
     return 0
 
 
+FORMATS = ("safetensors", "pt", "hf")
+
+
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="a run's checkpoint folder (its latest step) or one DIR/step_N")  # fmt: skip
-    p.add_argument("--out", required=True, help="model.safetensors (or .pt for torch.save)")
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="safetensors / pt: one state dict file; hf: a Hugging Face folder "
+                   "(config.json with the low-rank layout, model.safetensors) that "
+                   "boost_compiler.from_pretrained loads, for --hf-config / --init-from runs "
+                   "(default: safetensors for a .safetensors name, else pt)")  # fmt: skip
+    p.add_argument("--out", default=None,
+                   help="model.safetensors, model.pt, or the folder for --format hf")  # fmt: skip
+    p.add_argument("out_path", nargs="?", default=None, metavar="OUT", help="the same as --out")
 
 
 def _export_run(args: argparse.Namespace) -> int:
     from ..train.checkpoint import export
 
-    info = export(args.checkpoint, args.out)
+    outs = {o for o in (args.out, args.out_path) if o is not None}
+    if len(outs) != 1:
+        raise TrainConfigError("give the output once: --out OUT, or OUT")
+    (out,) = outs
+    # Without --format the suffix decides, as it always did (.safetensors, else torch.save).
+    safetensors = out.endswith(".safetensors")
+    fmt = args.format or ("safetensors" if safetensors else "pt")
+    if fmt == "hf":
+        from ..train.hf_model import export_hf
+
+        info = export_hf(args.checkpoint, out)
+    else:
+        if (fmt == "safetensors") != safetensors:
+            raise TrainConfigError(
+                f"--format {fmt} and --out {out} disagree: safetensors files end in .safetensors"
+            )
+        info = export(args.checkpoint, out)
     Console().print(
         f"wrote {info['path']}: {info['tensors']} tensors, {info['numel']:,} parameters, "
         f"step {info['step']}"
@@ -52,16 +79,19 @@ def _export_run(args: argparse.Namespace) -> int:
 TRAIN = Command(
     add_arguments,
     _train_run,
-    "Pre-train the example CoLA-LLaMA with backend='boost': BTP inside --tp, FSDP2 across "
-    "--dp, AdamW with warm-up + cosine, global-norm clipping, DCP checkpoints that load at "
-    "any (dp, tp). On the embedded corpus, or on --data files (.txt, .jsonl, .parquet) "
-    "streamed, tokenized with --tokenizer, packed and resumed exactly. Under torchrun for "
-    "several processes; alone for one.",
+    "Pre-train the example CoLA-LLaMA, or a Hugging Face model (--hf-config, --init-from) "
+    "made low-rank, with backend='boost': BTP inside --tp, FSDP2 across --dp, 1F1B pipeline "
+    "stages across --pp, AdamW with warm-up + cosine, global-norm clipping, DCP checkpoints "
+    "that load at any (pp, dp, tp). On the embedded corpus, or on --data files (.txt, "
+    ".jsonl, .parquet) streamed, tokenized with --tokenizer, packed and resumed exactly. "
+    "Under torchrun for several processes; alone for one. A lost rank stops every rank "
+    "within --comm-timeout, naming it; the same command with --resume continues.",
 )
 
 EXPORT = Command(
     _export_arguments,
     _export_run,
     "Write a training checkpoint's model as one single-device state dict with the original "
-    "parameter names (safetensors), loadable with strict=True.",
+    "parameter names (safetensors), loadable with strict=True; or, with --format hf, as a "
+    "Hugging Face folder that boost_compiler.from_pretrained loads.",
 )

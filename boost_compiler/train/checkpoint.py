@@ -1,4 +1,4 @@
-"""DCP checkpoints of a (dp, tp) training run that load at any other (dp, tp).
+"""DCP checkpoints of a (pp, dp, tp) training run that load at any other (pp, dp, tp).
 
 What is saved (``torch.distributed.checkpoint``), under the single-device names
 (``model.<fqn>``, ``optim.<state>.<fqn>``, ``optim.step``, ``rng.cpu``), every
@@ -13,6 +13,12 @@ tensor with its GLOBAL, single-device shape:
   of every block, which no DTensor placement describes) and buffers: the plain
   global tensor, identical on every rank (blocked shards are all-gathered over tp
   first); DCP writes one copy.
+
+Pipeline stages (pp > 1) change nothing in this format: a stage's layout holds only
+its own parameters, still under their single-device names (``layers.3...``), so each
+stage writes its layers and DCP's metadata is the union over the stages; the layout's
+``keys`` are the whole model's (what ``train_state.json`` records and a load checks),
+and a load asks DCP only for this rank's stage.
 
 FSDP2 shards every parameter once more over dp (``Shard(0)`` of the TP block).
 Those are all-gathered over dp before saving (``full_tensor``) and split again on
@@ -76,7 +82,7 @@ class Layout:
 
     entries: list[Entry]
     buffers: dict[str, torch.Tensor]
-    keys: list[str]  # the single-device state_dict keys, in order
+    keys: list[str]  # the whole single-device model's state_dict keys (a pp stage's too)
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> first name
     tp_mesh: Any = None  # 1-D DeviceMesh, or None when tp == 1
 
@@ -379,7 +385,7 @@ def resolve(path: str | Path) -> Path:
 
 
 def load(path: str | Path, layout: Layout, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Load a checkpoint saved at any (dp, tp) into this rank's model and optimizer.
+    """Load a checkpoint saved at any (pp, dp, tp) into this rank's model and optimizer.
 
     Returns the ``train_state.json`` dict (step, data position, config). A collective.
     """

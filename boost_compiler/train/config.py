@@ -36,6 +36,14 @@ class TrainConfig:
 
     model: str = "tiny"  # preset in boost_compiler.models.cola_llama.CONFIGS
     model_overrides: dict[str, Any] = field(default_factory=dict)  # TOML [model] table
+    # Hugging Face models instead of the preset (train/hf_model.py).
+    hf_config: str | None = None  # a transformers config folder: that model, made low-rank
+    init_from: str | None = None  # a dense HF checkpoint folder: its weights, SVD-factored
+    low_rank_method: str | None = None  # "cola" / "svd"; None: cola (hf_config), svd (init_from)
+    rank_ratio: float = 0.25  # r = floor(ratio * min(d_in, d_out)) to a multiple of rank_multiple
+    rank: int | None = None  # or this r for every converted layer
+    # Not the tp degree: the layout must be the same at every (dp, tp) for checkpoints to move.
+    rank_multiple: int = 8
     tp: int = 1
     dp: int | None = None  # None: world size // (tp * pp)
     pp: int = 1  # pipeline stages (train/pipeline.py), 1F1B over `microbatches`
@@ -68,11 +76,18 @@ class TrainConfig:
     resume: bool = False
     metrics: str | None = None  # JSON lines file (appended to on resume)
     plot: str | None = None  # loss-curve PNG; default: next to the metrics / checkpoints
+    tensorboard: bool = False  # scalars under <run folder>/tensorboard (the tensorboard extra)
+    peak_tflops: float | None = None  # per device, for MFU; None: known GPUs' datasheet peak
     bf16: bool = False
     compile: bool = True  # torch.compile(backend="boost"); False: eager (still BTP)
     fsdp: bool = True  # dp > 1: FSDP2 across dp; False: gradient all-reduce
     progress: bool = True
     throttle: float = 0.0  # seconds of sleep per step: lets tests kill a run mid-way
+    # Seconds a collective may wait for its peers before it fails (gloo/NCCL timeout).
+    # Long enough for the slowest legitimate wait (a peer's first compile, rank 0
+    # hashing a large checkpoint for its manifest), short enough that a dead peer
+    # does not keep the others waiting for torch's default 30 minutes.
+    comm_timeout: float = 600.0
     log_every: int = 10
 
     def validate(self, world: int | None = None) -> None:
@@ -106,11 +121,10 @@ class TrainConfig:
                     f"the global batch ({self.batch}) must divide by dp ({dp}): every dp rank "
                     "takes an equal, disjoint slice"
                 )
-        if self.pp > 1 and (self.compile or self.checkpoint_dir):
-            raise TrainConfigError(
-                "--pp > 1 runs eager and without checkpoints for now: add --no-compile, drop "
-                "--checkpoint-dir"
-            )
+        if self.pp > 1 and self.compile:
+            raise TrainConfigError("--pp > 1 runs eagerly for now: add --no-compile")
+        if self.comm_timeout <= 0:
+            raise TrainConfigError(f"comm_timeout must be positive, got {self.comm_timeout}")
         if (self.resume or self.save_every) and not self.checkpoint_dir:
             raise TrainConfigError("--resume and --save-every need --checkpoint-dir")
         self._validate_data()
@@ -176,9 +190,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = argparse.SUPPRESS
     p.add_argument("--config", default=None, help="TOML file; flags given here win over it")
     p.add_argument("--model", default=s, help="CoLA-LLaMA preset: tiny, 60m, 1b, 7b, 40b (tiny)")
+    p.add_argument("--hf-config", default=s, metavar="DIR",
+                   help="train a Hugging Face model from DIR/config.json (transformers' own "
+                   "class), made low-rank by to_low_rank, instead of --model")  # fmt: skip
+    p.add_argument("--init-from", default=s, metavar="DIR",
+                   help="start from a dense Hugging Face checkpoint folder (config.json + "
+                   "safetensors), SVD-factored; a boost export --format hf folder as it is")  # fmt: skip
+    p.add_argument("--low-rank-method", choices=("cola", "svd"), default=s,
+                   help="to_low_rank method (cola for --hf-config, svd for --init-from)")  # fmt: skip
+    p.add_argument("--rank-ratio", type=float, default=s,
+                   help="rank = ratio x min(d_in, d_out) of each projection (0.25)")  # fmt: skip
+    p.add_argument("--rank", type=int, default=s, help="one rank for every projection")
+    p.add_argument("--rank-multiple", type=int, default=s,
+                   help="ranks rounded down to a multiple of N, for tp degrees dividing it (8)")  # fmt: skip
     p.add_argument("--tp", type=int, default=s, help="tensor-parallel degree (BTP) (1)")
     p.add_argument("--dp", type=int, default=s, help="data-parallel degree (world / tp / pp)")
-    p.add_argument("--pp", type=int, default=s, help="pipeline stages, 1F1B (1)")
+    p.add_argument("--pp", type=int, default=s,
+                   help="pipeline stages, 1F1B; needs --no-compile; checkpoints load at any "
+                   "(pp, dp, tp) (1)")  # fmt: skip
     p.add_argument("--microbatches", type=int, default=s, help="micro-batches per step (1)")
     p.add_argument("--steps", type=int, default=s, help="optimizer steps in total (100)")
     p.add_argument("--stop-at", type=int, default=s,
@@ -218,6 +247,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--resume with other --steps/--lr/--warmup/--min-lr-ratio than saved")  # fmt: skip
     p.add_argument("--metrics", default=s, help="JSON-lines metrics file (rank 0)")
     p.add_argument("--plot", default=s, help="loss-curve PNG path")
+    p.add_argument("--tensorboard", action="store_true", default=s,
+                   help="TensorBoard scalars under <checkpoint dir or metrics folder>/"
+                   "tensorboard (needs boost-compiler[tensorboard])")  # fmt: skip
+    p.add_argument("--peak-tflops", type=float, default=s, metavar="X",
+                   help="peak TFLOP/s per device for the MFU estimate (default: known GPUs' "
+                   "dense datasheet figure for the run's dtype; none on CPU)")  # fmt: skip
     p.add_argument("--bf16", action="store_true", default=s, help="bf16 parameters and compute")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=s,
                    help="torch.compile(backend='boost') (default) or eager (--no-compile)")  # fmt: skip
@@ -226,6 +261,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=s,
                    help="rich progress bar on rank 0 (default on)")  # fmt: skip
     p.add_argument("--throttle", type=float, default=s, help="sleep per step, s (tests)")
+    p.add_argument("--comm-timeout", type=float, default=s, metavar="SECONDS",
+                   help="a collective waiting longer for its peers fails, and the run exits "
+                   "naming the lost rank (600)")  # fmt: skip
     p.add_argument("--log-every", type=int, default=s, help="log a line every K steps (10)")
 
 

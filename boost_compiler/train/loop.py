@@ -34,6 +34,7 @@ from .._logging import get_logger
 from ..errors import VocabSizeError
 from ..tp.shadow import parallel_state
 from . import checkpoint as ckpt
+from . import comm, hf_model, mfu, report
 from .clip import GradSlot, clip_grad_norm_
 from .config import TrainConfig, TrainConfigError
 from .data import DataSource, model_vocab, open_data, open_eval
@@ -48,9 +49,12 @@ def build_model(cfg: TrainConfig) -> nn.Module:
 
     With ``--tokenizer`` the vocabulary is the tokenizer's (the preset's is replaced); a
     ``vocab_size`` override may pad it (e.g. to a multiple of tp), never cut it.
+    ``--hf-config`` / ``--init-from``: the transformers model instead (:mod:`.hf_model`).
     """
     from ..models import cola_llama as cola
 
+    if hf_model.is_hf(cfg):
+        return hf_model.build(cfg)
     if cfg.model not in cola.CONFIGS:
         raise TrainConfigError(f"unknown --model {cfg.model!r}; presets: {sorted(cola.CONFIGS)}")
     overrides = dict(cfg.model_overrides)
@@ -97,18 +101,24 @@ def make_optimizer(
     return slots, opt
 
 
-def init_distributed() -> bool:
-    """Join torchrun's group (env://), or make a 1-rank group; True if this call created it."""
+def init_distributed(timeout_s: float | None = None) -> bool:
+    """Join torchrun's group (env://), or make a 1-rank group; True if this call created it.
+
+    ``timeout_s`` (``--comm-timeout``) bounds every collective's wait on the group.
+    """
     if dist.is_initialized():
         return False
     cuda = torch.cuda.is_available()
     backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"
+    timeout = comm.timeout_of(timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:  # one process: a private in-memory store, no launcher, no port
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     return True
 
 
@@ -169,12 +179,12 @@ def _plan_bytes(model: nn.Module) -> int:
 
 def setup(cfg: TrainConfig) -> _Run:
     """Mesh, data, model (parallelized, sharded), optimizer: everything before step 0."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     import boost_compiler
 
     world = dist.get_world_size()
     cfg.validate(world)
+    hf_model.check(cfg)
+    hf = hf_model.is_hf(cfg)
     if cfg.pp > 1:
         from .pipeline import setup_pipeline_run
 
@@ -186,7 +196,7 @@ def setup(cfg: TrainConfig) -> _Run:
     dp = cfg.dp if cfg.dp is not None else world // tp
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = comm.device_mesh(device.type, (dp, tp), ("dp", "tp"), comm.timeout_of(cfg.comm_timeout))
     corpus = open_data(cfg, mesh["dp"].get_local_rank(), dp)
     held_out = open_eval(cfg)
     model = build_model(cfg).to(device)
@@ -194,7 +204,8 @@ def setup(cfg: TrainConfig) -> _Run:
         model = model.to(torch.bfloat16)
     example = corpus.example().to(device)
     if tp > 1:
-        boost_compiler.parallelize(model, mesh["tp"], (example,), {"labels": example})
+        kwargs = {"labels": example, **(hf_model.EXAMPLE_KWARGS if hf else {})}
+        boost_compiler.parallelize(model, mesh["tp"], (example,), kwargs)
     fsdp = dp > 1 and cfg.fsdp
     if fsdp:
         from torch.distributed.fsdp import fully_shard
@@ -209,6 +220,8 @@ def setup(cfg: TrainConfig) -> _Run:
             model.forward = torch.compile(model.forward, backend="boost")  # type: ignore[method-assign]
         else:
             forward = torch.compile(model, backend="boost")
+    if hf:  # HF returns an output object: the loop and validation want its loss
+        forward = hf_model.LossForward(forward)
     block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
     dp_bytes = 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
     return _Run(cfg, dp, tp, mesh, device, corpus, model, forward, opt, layout, slots, fsdp,
@@ -263,8 +276,10 @@ def _train_state(run: _Run, step: int) -> dict[str, Any]:
         "tokens_seen": step * cfg.batch * cfg.seq,
         "data": {"next_step": step, "source": run.corpus.source, "digest": run.corpus.digest,
                  "seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, **run.corpus.state()},
-        "layout": {"dp": run.dp, "tp": run.tp, "fsdp": run.fsdp},
+        "layout": {"pp": cfg.pp, "dp": run.dp, "tp": run.tp, "fsdp": run.fsdp},
         "config": cfg.to_json(),
+        # What `boost export --format hf` writes as config.json, low-rank layout included.
+        **({hf_model.STATE_KEY: hf_model.config_record(run.model)} if hf_model.is_hf(cfg) else {}),
     }  # fmt: skip
 
 
@@ -294,9 +309,11 @@ def _check_resume(run: _Run, state: dict[str, Any]) -> None:
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or continue, with ``cfg.resume``) a training run; a collective over the world."""
-    created = init_distributed()
+    created = init_distributed(cfg.comm_timeout)
     try:
-        return _train(cfg)
+        # A collective that fails because a peer died names that rank (train/comm.py).
+        with comm.lost_rank_errors(cfg.comm_timeout):
+            return _train(cfg)
     finally:
         if created:
             dist.destroy_process_group()
@@ -304,7 +321,9 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 def _train(cfg: TrainConfig) -> TrainResult:
     rank = dist.get_rank()
+    board = report.open_tensorboard(cfg, enabled=rank == 0)  # before setup: fail fast
     run = setup(cfg)
+    meter = mfu.for_run(run)  # a collective over pp at --pp > 1
     result = TrainResult(model=run.model)
     found, skipped = (None, [])
     if cfg.resume and cfg.checkpoint_dir:
@@ -318,12 +337,14 @@ def _train(cfg: TrainConfig) -> TrainResult:
                  run.dp, run.tp)  # fmt: skip
     elif cfg.resume:
         log.info("--resume: no complete checkpoint in %s, starting at step 0", cfg.checkpoint_dir)
-    metrics = Metrics(cfg.metrics, append=result.start_step > 0, enabled=rank == 0)
-    metrics.write({"event": "start", "step": result.start_step, "dp": run.dp, "tp": run.tp,
+    metrics = Metrics(cfg.metrics, append=result.start_step > 0, enabled=rank == 0,
+                      tensorboard=board)  # fmt: skip
+    metrics.write({"event": "start", "step": result.start_step, "pp": cfg.pp, "dp": run.dp,
+                   "tp": run.tp,
                    "fsdp": run.fsdp, "compile": cfg.compile, "world": dist.get_world_size(),
                    "tp_collective_bytes_per_step": run.tp_bytes,
                    "dp_collective_bytes_per_step": run.dp_bytes,
-                   "skipped_checkpoints": skipped, "data": run.corpus.source,
+                   "skipped_checkpoints": skipped, "data": run.corpus.source, **meter.record(),
                    **_data_info(run)})  # fmt: skip
     tokens = cfg.batch * cfg.seq
     progress, task = progress_bar(rank == 0 and cfg.progress, cfg.steps, result.start_step)
@@ -338,11 +359,13 @@ def _train(cfg: TrainConfig) -> TrainResult:
             if step > result.start_step:  # the first step of a process compiles
                 rates.append(rate)
             result.losses[step], result.grad_norms[step] = loss, norm
+            share = meter(rate)
             metrics.write({"step": step, "loss": loss, "grad_norm": norm, "lr": lr_at(step, cfg),
-                           "tokens_per_s": rate, "step_s": dt, "tokens_seen": (step + 1) * tokens,
+                           "tokens_per_s": rate, "mfu": share, "step_s": dt,
+                           "tokens_seen": (step + 1) * tokens,
                            "tp_collective_bytes": run.tp_bytes,
                            "dp_collective_bytes": run.dp_bytes})  # fmt: skip
-            progress.update(task, advance=1, description=f"loss {loss:.4f} | {rate:,.0f} tok/s")
+            progress.update(task, advance=1, description=report.step_description(loss, rate, share))
             if rank == 0 and (step % max(1, cfg.log_every) == 0 or step == end - 1):
                 log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", step, loss, norm, rate)
             done = step + 1
@@ -360,6 +383,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
                     ckpt.prune(cfg.checkpoint_dir, cfg.keep)
             if cfg.throttle:
                 time.sleep(cfg.throttle)
+    metrics.close()
     result.final_step = end
     result.tokens_per_s = sorted(rates)[len(rates) // 2] if rates else 0.0
     if rank == 0:
@@ -370,7 +394,8 @@ def _train(cfg: TrainConfig) -> TrainResult:
             log.info("no loss-curve PNG: a run without --metrics, --checkpoint-dir or --plot "
                      "writes no files")  # fmt: skip
         elif losses:
-            title = f"{cfg.model}, dp={run.dp} x tp={run.tp}, batch {cfg.batch} x {cfg.seq}"
+            name = cfg.hf_config or cfg.init_from or cfg.model
+            title = f"{name}, dp={run.dp} x tp={run.tp}, batch {cfg.batch} x {cfg.seq}"
             result.plot = plot_losses(losses, target, title)
             if result.plot:
                 log.info("loss curve: %s", result.plot)

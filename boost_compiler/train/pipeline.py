@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from torch import nn
 
 from ..errors import PipelineError
 from ..tp.collectives import gather_from_tp, group_name_of, scatter_to_tp
+from .comm import device_mesh, group_over, timeout_of
 
 __all__ = [
     "P2PMeter",
@@ -164,14 +166,17 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def init_pipeline_mesh(pp: int, dp: int, tp: int, device: str = "cpu") -> Any:
-    """The ``(pp, dp, tp)`` mesh; the world must have exactly ``pp * dp * tp`` ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
+def init_pipeline_mesh(
+    pp: int, dp: int, tp: int, device: str = "cpu", timeout: datetime.timedelta | None = None
+) -> Any:
+    """The ``(pp, dp, tp)`` mesh; the world must have exactly ``pp * dp * tp`` ranks.
 
+    Its groups wait at most ``timeout`` for a peer (None: torch's default; see train/comm.py).
+    """
     world = dist.get_world_size()
     if pp * dp * tp != world:
         raise PipelineError(f"pp*dp*tp = {pp}*{dp}*{tp} = {pp * dp * tp} != world size {world}")
-    return init_device_mesh(device, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    return device_mesh(device, (pp, dp, tp), ("pp", "dp", "tp"), timeout)
 
 
 def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -382,6 +387,10 @@ def setup_pipeline_run(cfg: Any) -> Any:
     The run's ``model`` is the stage under single-device names (its checkpoint layout,
     clip slots and optimizer groups are those of its parameters); the gradient norm's
     squares are summed over pp (disjoint stages) and, under FSDP2, dp (disjoint shards).
+    Checkpoints: each stage saves its own parameters and moments under their global
+    names (``layers.3...``, TP shards as for a (dp, tp) run), and the layout's ``keys``
+    are the whole model's, which ``train_state.json`` records and a load checks: so a
+    checkpoint holds one model, whatever pp saved it or loads it.
     """
     from . import checkpoint as ckpt
     from .data import load_corpus
@@ -391,16 +400,19 @@ def setup_pipeline_run(cfg: Any) -> Any:
     tp, pp = cfg.tp, cfg.pp
     dp = cfg.dp if cfg.dp is not None else world // (tp * pp)
     device = torch.device("cpu")
-    mesh = init_pipeline_mesh(pp, dp, tp, device.type)
+    timeout = timeout_of(cfg.comm_timeout)
+    mesh = init_pipeline_mesh(pp, dp, tp, device.type, timeout)
     model = build_model(cfg).to(device)
     if cfg.bf16:
         model = model.to(torch.bfloat16)
+    model_keys = list(model.state_dict().keys())  # before the split: every stage's names
     fsdp = dp > 1 and cfg.fsdp
     pipe = build_pipeline(model, mesh, cfg.batch // dp, cfg.seq, cfg.microbatches, fsdp=fsdp)
     stage = pipe.module.stage
     layout = ckpt.model_layout(stage, mesh["tp"] if tp > 1 else None)
+    layout.keys = model_keys
     slots, opt = make_optimizer(layout, cfg, tp)
-    norm_group = mesh["pp", "dp"]._flatten().get_group() if fsdp else mesh["pp"].get_group()
+    norm_group = group_over(mesh, ("pp", "dp"), timeout) if fsdp else mesh["pp"].get_group()
     block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
     dp_bytes = 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
     return _Run(cfg, dp, tp, mesh, device, load_corpus(cfg.data), stage, pipe.module, opt,

@@ -1,4 +1,5 @@
-"""What a run writes besides checkpoints: the metrics JSON lines, the loss-curve PNG, the bar.
+"""What a run writes besides checkpoints: the metrics JSON lines, TensorBoard scalars, the
+loss-curve PNG, the bar.
 
 Apart from the loop (``train.loop``) so that the loop reads as the training algorithm;
 :func:`read_metrics` is also the reader for whoever looks at a run afterwards.
@@ -11,16 +12,25 @@ from pathlib import Path
 from typing import Any
 
 from .._logging import get_logger
+from ..errors import TrainConfigError
 from .config import TrainConfig
 
 log = get_logger(__name__)
 
 
 class Metrics:
-    """JSON lines on rank 0: appended on resume (the curve continues), fresh otherwise."""
+    """JSON lines on rank 0: appended on resume (the curve continues), fresh otherwise.
 
-    def __init__(self, path: str | None, append: bool, enabled: bool) -> None:
+    ``tensorboard`` (``--tensorboard``) receives every record as well, so a scalar
+    written to the JSON lines (eval records included) reaches TensorBoard by one path.
+    """
+
+    def __init__(
+        self, path: str | None, append: bool, enabled: bool,
+        tensorboard: TensorBoard | None = None,
+    ) -> None:  # fmt: skip
         self.path = Path(path) if path and enabled else None
+        self.tensorboard = tensorboard if enabled else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if not append:
@@ -30,6 +40,88 @@ class Metrics:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.add(record)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+TENSORBOARD_EXTRA = "pip install 'boost-compiler[tensorboard]'"
+# Metrics record key -> TensorBoard tag, for step records and for "eval" records.
+STEP_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                "tokens_per_s": "train/tokens_per_s", "mfu": "train/mfu"}  # fmt: skip
+EVAL_SCALARS = {"eval_loss": "eval/loss", "eval_ppl": "eval/ppl"}
+
+
+def run_folder(cfg: TrainConfig) -> Path | None:
+    """The run's own folder: ``--checkpoint-dir``, else the ``--metrics`` file's folder."""
+    if cfg.checkpoint_dir:
+        return Path(cfg.checkpoint_dir)
+    if cfg.metrics:
+        return Path(cfg.metrics).parent
+    return None
+
+
+class TensorBoard:
+    """Scalars of the metrics records as TensorBoard event files in ``log_dir``.
+
+    The writer is made at the first record, not here: that record's step (the start
+    record's: 0, or the resumed step) becomes ``purge_step``, so TensorBoard hides the
+    events an earlier process logged in the folder from that step on: after a crash and
+    ``--resume`` those past the checkpoint (as the JSON lines' reader keeps a step's last
+    record), and on a fresh run all of them (as the JSON lines file starts empty).
+    """
+
+    def __init__(self, log_dir: Path, writer_class: Any) -> None:
+        self.log_dir = log_dir
+        self._writer_class = writer_class
+        self._writer: Any = None
+
+    def add(self, record: dict[str, Any]) -> None:
+        step = int(record.get("step", 0))
+        if self._writer is None:
+            self._writer = self._writer_class(log_dir=str(self.log_dir), purge_step=step)
+        event = record.get("event")
+        tags = EVAL_SCALARS if event == "eval" else STEP_SCALARS if event is None else {}
+        wrote = False
+        for key, tag in tags.items():
+            value = record.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self._writer.add_scalar(tag, float(value), step)
+                wrote = True
+        if wrote:  # a crash loses no logged step (the writer buffers for 2 minutes by default)
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def open_tensorboard(cfg: TrainConfig, enabled: bool) -> TensorBoard | None:
+    """``--tensorboard``'s writer under ``<run folder>/tensorboard`` (rank 0), else None.
+
+    Checked on every rank, so that a missing package or run folder stops all of them
+    before any work, not rank 0 alone while the others wait in a collective.
+    """
+    if not cfg.tensorboard:
+        return None
+    folder = run_folder(cfg)
+    if folder is None:
+        raise TrainConfigError(
+            "--tensorboard writes under the run folder: give --checkpoint-dir DIR "
+            "(or --metrics FILE, whose folder is then the run folder)"
+        )
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise TrainConfigError(
+            f"--tensorboard needs the tensorboard package: {TENSORBOARD_EXTRA} "
+            f"(or pip install tensorboard) ({err})"
+        ) from err
+    return TensorBoard(folder / "tensorboard", SummaryWriter) if enabled else None
 
 
 def read_metrics(path: str | Path) -> dict[int, dict[str, Any]]:
@@ -63,6 +155,12 @@ def plot_losses(losses: dict[int, float], path: Path, title: str) -> Path | None
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def step_description(loss: float, tokens_per_s: float, mfu: float | None) -> str:
+    """The bar's text for a step: loss, tokens/s and MFU ("n/a" without a peak FLOP/s)."""
+    share = "n/a" if mfu is None else f"{mfu:.1%}"
+    return f"loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | MFU {share}"
 
 
 def progress_bar(enabled: bool, total: int, start: int) -> Any:

@@ -1,0 +1,313 @@
+"""Hugging Face model folders in and out of boost: :func:`from_pretrained` and :func:`write_folder`.
+
+A boost low-rank model is an ordinary transformers model some of whose projections are
+:class:`~boost_compiler.convert.LowRankLinear` factor pairs. Its folder is what
+``save_pretrained`` writes (``config.json``, ``model.safetensors``,
+``generation_config.json``), plus one key of ``config.json``, :data:`LOW_RANK_KEY`::
+
+    "boost_low_rank": {
+      "format": 1,
+      "method": "svd",
+      "modules": {
+        "model.layers.0.self_attn.q_proj": {"in_features": 64, "out_features": 64,
+                                            "rank": 16, "bias": false, "activation": null},
+        ...
+      }
+    }
+
+``method`` is how the factors were first made (``"svd"``, ``"cola"``; informational);
+each module's ``activation`` (``null`` or ``"silu"``, CoLA's) is what the forward uses.
+The weights are then ``<module>.down.weight [rank, in]``, ``<module>.up.weight [out,
+rank]`` and ``<module>.up.bias``.
+
+Why a key and not a model class of our own (``auto_map`` and a modeling file):
+transformers would have to execute code from the folder (``trust_remote_code``) to
+build it. Here the architecture is transformers' own, picked by ``model_type``;
+:func:`from_pretrained` lets transformers' ``from_pretrained`` build it from the config,
+replaces the listed modules by factor pairs of the recorded shapes (no SVD, no values;
+on the meta device, as transformers builds) and lets it load the safetensors weights
+into them by name. Nothing in the folder is executed: the config is JSON, the weights
+safetensors (``use_safetensors=True`` refuses a pickled ``.bin``),
+``trust_remote_code=False``, ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .convert import LowRankLinear, _conv1d_type, _dims, low_rank_layout
+from .errors import BoostError, HFFolderError
+
+__all__ = [
+    "FORMAT",
+    "LOW_RANK_KEY",
+    "apply_layout",
+    "from_pretrained",
+    "layout_record",
+    "read_layout",
+    "record_layout",
+    "write_folder",
+]
+
+LOW_RANK_KEY = "boost_low_rank"
+FORMAT = 1
+_MODULE_FIELDS = {"in_features": int, "out_features": int, "rank": int, "bias": bool}
+# What from_pretrained decides itself: loading must stay local, safetensors-only, code-free.
+_FORCED = {"local_files_only": True, "use_safetensors": True, "trust_remote_code": False}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as err:
+        raise BoostError(
+            "Hugging Face models need the [hf] extra (pip install 'boost-compiler[hf]')"
+        ) from err
+    return transformers
+
+
+def layout_record(model: nn.Module, method: str | None = None) -> dict[str, Any]:
+    """The :data:`LOW_RANK_KEY` value describing ``model``'s factor pairs.
+
+    ``method`` defaults to what the pairs show: ``"cola"`` when each has CoLA's SiLU,
+    ``"svd"`` when none has, else ``"mixed"``.
+    """
+    modules = low_rank_layout(model)
+    if method is None:
+        acts = {spec["activation"] for spec in modules.values()}
+        method = {frozenset({"silu"}): "cola", frozenset({None}): "svd"}.get(
+            frozenset(acts), "mixed"
+        )
+    return {"format": FORMAT, "method": method, "modules": modules}
+
+
+def record_layout(model: nn.Module, method: str | None = None) -> dict[str, Any]:
+    """Store :func:`layout_record` in ``model.config``, so that transformers'
+    ``save_pretrained`` writes it into ``config.json`` and :func:`from_pretrained` can
+    rebuild the factor pairs."""
+    record = layout_record(model, method)
+    setattr(model.config, LOW_RANK_KEY, record)
+    return record
+
+
+def read_layout(config: Any, where: str = "config.json") -> dict[str, Any] | None:
+    """The config's :data:`LOW_RANK_KEY`, checked (None for a dense model's config)."""
+    raw = (
+        config.get(LOW_RANK_KEY)
+        if isinstance(config, Mapping)
+        else getattr(config, LOW_RANK_KEY, None)
+    )
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("modules"), Mapping):
+        raise HFFolderError(f"{where}: {LOW_RANK_KEY} must be an object with a 'modules' object")
+    if raw.get("format") != FORMAT:
+        raise HFFolderError(
+            f"{where}: {LOW_RANK_KEY} format {raw.get('format')!r} is not {FORMAT}, the one this "
+            "version of boost-compiler reads"
+        )
+    for name, spec in raw["modules"].items():
+        bad = [k for k, kind in _MODULE_FIELDS.items()
+               if not isinstance(spec, Mapping) or type(spec.get(k)) is not kind]  # fmt: skip
+        if bad or spec.get("activation") not in (None, "silu") or spec["rank"] <= 0:
+            raise HFFolderError(
+                f"{where}: {LOW_RANK_KEY} module '{name}' must have integer in_features, "
+                f'out_features, rank > 0, boolean bias and activation null or "silu"; got {spec}'
+            )
+    return dict(raw)
+
+
+def apply_layout(model: nn.Module, layout: Mapping[str, Any]) -> None:
+    """Replace each module the layout lists by a factor pair of its shape, in place.
+
+    Only the structure: the factors are freshly constructed (on the replaced weight's
+    device, meta included) and get their values from a state dict afterwards. A module
+    the model does not have, or one whose dense shape differs, raises
+    :class:`HFFolderError` naming it, before anything is replaced.
+    """
+    modules = dict(model.named_modules())
+    conv1d = _conv1d_type()
+    kinds = (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
+    plan: list[tuple[str, nn.Module, Mapping[str, Any]]] = []
+    for name, spec in layout["modules"].items():
+        mod = modules.get(name)
+        if mod is None or type(mod) not in kinds:
+            what = "no such module" if mod is None else f"a {type(mod).__name__}"
+            raise HFFolderError(
+                f"{LOW_RANK_KEY} lists '{name}': {type(model).__name__} built from this config "
+                f"has {what} there, not an nn.Linear to factor (another architecture or size?)"
+            )
+        _, d_in, d_out = _dims(mod, conv1d)
+        if (d_in, d_out) != (spec["in_features"], spec["out_features"]):
+            raise HFFolderError(
+                f"{LOW_RANK_KEY} lists '{name}' as {spec['in_features']} -> "
+                f"{spec['out_features']}, the model built from this config has {d_in} -> {d_out}"
+            )
+        plan.append((name, mod, spec))
+    for name, mod, spec in plan:
+        w = mod.weight
+        pair = LowRankLinear(
+            spec["in_features"], spec["out_features"], spec["rank"], bias=spec["bias"],
+            activation=spec["activation"], device=w.device, dtype=w.dtype,
+        )  # fmt: skip
+        pair.train(mod.training)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, pair)
+
+
+def causal_lm_class(config: Any) -> type:
+    """transformers' own ``*ForCausalLM`` class for the config (never a class from a folder)."""
+    tf = _transformers()
+    try:
+        return tf.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError as err:
+        raise HFFolderError(
+            f"model_type {getattr(config, 'model_type', None)!r} has no causal-LM class in "
+            "transformers"
+        ) from err
+
+
+@functools.cache
+def _low_rank_class(base: type) -> type:
+    """``base`` whose constructor applies the config's :data:`LOW_RANK_KEY` after building.
+
+    Why a subclass: transformers' ``from_pretrained`` constructs the model itself (on the
+    meta device, in the checkpoint's dtype) and then loads the weights by name; the factor
+    pairs must exist between those two steps, and the constructor is the one hook it
+    offers there. Same name, module and behaviour as ``base`` otherwise (``generate()``,
+    ``save_pretrained``, which writes the key again since it stays in the config).
+    """
+
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, config, *args, **kwargs)
+        layout = read_layout(config)
+        if layout is not None:
+            apply_layout(self, layout)
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__,
+                                         "__qualname__": base.__qualname__})  # fmt: skip
+
+
+def from_pretrained(path: str | Path, *, strict: bool = True, **kwargs: Any) -> Any:
+    """A transformers causal LM from a local folder, low-rank as its ``config.json`` records.
+
+    A thin layer over transformers' own ``from_pretrained``: the architecture comes from
+    the config's ``model_type`` (transformers' class, never code from the folder), the
+    :data:`LOW_RANK_KEY` modules become factor pairs of the recorded shapes, and the
+    safetensors weights are loaded into them. A folder without the key is an ordinary
+    dense model. ``kwargs`` go to transformers (``dtype=``, ``device_map=``, ...), except
+    what keeps loading safe: ``local_files_only``, ``use_safetensors`` and
+    ``trust_remote_code`` are fixed. ``strict``: a weight the model lacks, one the file
+    lacks, or a shape mismatch raises :class:`HFFolderError` naming them (transformers
+    alone would initialise missing weights at random and only warn). Example (a folder
+    ``boost export --format hf`` writes, or, as here, ``save_pretrained`` of a converted
+    model whose layout was recorded)::
+
+        import torch
+        import transformers
+
+        import boost_compiler
+        from boost_compiler.hf_io import record_layout
+
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4, vocab_size=256,
+        )
+        dense = transformers.LlamaForCausalLM(config)
+        boost_compiler.to_low_rank(dense, method="svd", rank_ratio=0.25)
+        record_layout(dense)  # config.json's "boost_low_rank": which modules, which ranks
+        dense.save_pretrained("tiny-low-rank")
+        model = boost_compiler.from_pretrained("tiny-low-rank")
+        print(model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5))
+    """
+    tf = _transformers()
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise HFFolderError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    clash = sorted(k for k, v in kwargs.items() if k in _FORCED and v != _FORCED[k])
+    if clash:
+        raise HFFolderError(f"from_pretrained fixes {', '.join(clash)}: loading runs no code "
+                            "from the folder and reads only local safetensors")  # fmt: skip
+    kwargs = {k: v for k, v in kwargs.items() if k not in _FORCED}
+    config = kwargs.pop("config", None) or tf.AutoConfig.from_pretrained(str(folder), **_FORCED)
+    layout = read_layout(config, str(folder / "config.json"))
+    cls = causal_lm_class(config)
+    if layout is not None:
+        cls = _low_rank_class(cls)
+    if not any(folder.glob("*.safetensors")):
+        raise HFFolderError(f"{folder}: no .safetensors weights (pickled weights are not read)")
+    if strict:  # mismatched shapes come back in the loading info (named), not as a bare error
+        kwargs.setdefault("ignore_mismatched_sizes", True)
+    model, info = cls.from_pretrained(
+        str(folder), config=config, output_loading_info=True, **_FORCED, **kwargs
+    )
+    problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys",
+                                                        "mismatched_keys")}  # fmt: skip
+    if strict and any(problems.values()):
+        detail = "; ".join(f"{k.replace('_', ' ')}: {v[:6]}" for k, v in problems.items() if v)
+        raise HFFolderError(f"{folder}: the weights do not fit the model its config builds: "
+                            f"{detail}")  # fmt: skip
+    return model
+
+
+def _weights_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
+    floats = [t.dtype for t in state_dict.values() if t.is_floating_point()]
+    return max(set(floats), key=floats.count) if floats else torch.float32
+
+
+def write_folder(
+    out: str | Path, config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]
+) -> Path:
+    """Write ``config.json`` (with its :data:`LOW_RANK_KEY`), ``model.safetensors`` and
+    ``generation_config.json`` to ``out``: a folder :func:`from_pretrained` loads.
+
+    ``config`` is a transformers config as a dict (``to_dict()``), ``state_dict`` the
+    model's single-device weights under its own names. Checked first, on the meta device:
+    the model the config builds, with its layout applied, must have exactly these keys
+    and shapes (else :class:`HFFolderError` naming the first differences), so a folder
+    that could not load is never written.
+    """
+    tf = _transformers()
+    from safetensors.torch import save_file
+
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    if model_type not in tf.CONFIG_MAPPING:
+        raise HFFolderError(f"config model_type {model_type!r} is not a transformers model type")
+    cfg = tf.CONFIG_MAPPING[model_type].from_dict(values)
+    layout = read_layout(cfg, "the config")
+    cfg.dtype = _weights_dtype(state_dict)
+    cls = causal_lm_class(cfg)
+    cfg.architectures = [cls.__name__]
+    with torch.device("meta"):
+        model = cls(cfg)
+    if layout is not None:
+        apply_layout(model, layout)
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state_dict.items()}
+    if want != got:
+        shapes = sorted(k for k in set(want) & set(got) if want[k] != got[k])
+        raise HFFolderError(
+            f"the weights do not fit {cls.__name__} built from the config: missing "
+            f"{sorted(set(want) - set(got))[:6]}, unexpected {sorted(set(got) - set(want))[:6]}, "
+            f"other shapes {[(k, got[k], want[k]) for k in shapes[:4]]}"
+        )
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(str(folder))
+    # Tensors sharing storage cannot go to safetensors: tied weights are written as copies.
+    tensors = {k: v.detach().contiguous().clone() for k, v in state_dict.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if model.can_generate():
+        tf.GenerationConfig.from_model_config(cfg).save_pretrained(str(folder))
+    written = json.loads((folder / "config.json").read_text())
+    if layout is not None and written.get(LOW_RANK_KEY) != layout:
+        raise HFFolderError(f"{folder / 'config.json'}: {LOW_RANK_KEY} was not written as given")
+    return folder

@@ -1,0 +1,216 @@
+"""Hugging Face models in ``boost train`` (``--hf-config``, ``--init-from``) and out of it
+(``boost export --format hf``).
+
+* ``--hf-config DIR``: transformers' own class for ``DIR/config.json`` (its ``model_type``;
+  never code from the folder), built with ``from_config`` under the run's seed, the
+  ``[model]`` TOML table applied to the config first, then made low-rank by
+  ``to_low_rank`` (``--low-rank-method``, default ``cola``; ``--rank-ratio``, ``--rank``,
+  ``--rank-multiple``).
+* ``--init-from DIR``: a dense checkpoint folder (``config.json`` + safetensors) loaded by
+  :func:`boost_compiler.from_pretrained` (transformers' ``from_pretrained``, local files,
+  safetensors only), converted by SVD. A folder ``boost export --format hf`` wrote is
+  low-rank already and is trained on as it is.
+
+From there the trainer treats it as it treats the CoLA-LLaMA (BTP over ``tp`` with the
+loss in the graph, FSDP2 over ``dp``); only the call differs, HF's
+``model(ids, labels=ids, use_cache=False).loss`` (:class:`LossForward`). The checkpoint's
+``train_state.json`` keeps the model's config with its low-rank layout
+(:data:`STATE_KEY`), so :func:`export_hf` needs nothing but the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._logging import get_logger
+from ..errors import BoostError, HFFolderError, VocabSizeError
+from ..hf_io import LOW_RANK_KEY, read_layout, record_layout, write_folder
+from .config import TrainConfig, TrainConfigError
+
+log = get_logger(__name__)
+
+STATE_KEY = "hf_model_config"  # train_state.json: the model's transformers config (a dict)
+# Training calls: HF's cache would return every layer's keys and values, which the
+# parallel model gathers to full width only for training to throw them away.
+EXAMPLE_KWARGS: dict[str, Any] = {"use_cache": False}
+
+
+def is_hf(cfg: TrainConfig) -> bool:
+    return bool(cfg.hf_config or cfg.init_from)
+
+
+def check(cfg: TrainConfig) -> None:
+    """The HF flags' own consistency (:class:`TrainConfigError` naming the flag)."""
+    if not is_hf(cfg):
+        return
+    if cfg.hf_config and cfg.init_from:
+        raise TrainConfigError(
+            "give --hf-config (a fresh model) or --init-from (a checkpoint's weights), not both"
+        )
+    if cfg.low_rank_method not in (None, "cola", "svd"):
+        raise TrainConfigError(
+            f"--low-rank-method must be cola or svd, not {cfg.low_rank_method!r}"
+        )
+    if cfg.init_from and cfg.low_rank_method == "cola":
+        raise TrainConfigError(
+            "--init-from with --low-rank-method cola would draw new factors and throw the "
+            "checkpoint's weights away: use svd (the default)"
+        )
+    if cfg.init_from and cfg.model_overrides:
+        raise TrainConfigError(
+            "a [model] table changes the architecture, which --init-from's weights fix: drop "
+            "it (or use --hf-config)"
+        )
+    if cfg.pp > 1:
+        raise TrainConfigError(
+            "--pp > 1 splits the packaged CoLA-LLaMA by layer; it does not take --hf-config / "
+            "--init-from models yet"
+        )
+    if cfg.rank_multiple < 1 or (cfg.rank is not None and cfg.rank % cfg.rank_multiple):
+        raise TrainConfigError(
+            f"--rank ({cfg.rank}) must be a multiple of --rank-multiple ({cfg.rank_multiple}), "
+            "which must be >= 1"
+        )
+    folder = Path(cfg.hf_config or cfg.init_from or "")
+    flag = "--hf-config" if cfg.hf_config else "--init-from"
+    if not (folder / "config.json").is_file():
+        raise TrainConfigError(
+            f"{flag} {folder}: no config.json there (a Hugging Face model folder)"
+        )
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as err:
+        raise TrainConfigError(
+            "--hf-config / --init-from need the [hf] extra (pip install 'boost-compiler[hf]')"
+        ) from err
+    return transformers
+
+
+def _check_sizes(config: Any, cfg: TrainConfig) -> None:
+    from .data import model_vocab
+
+    need = model_vocab(cfg) or 256  # without --tokenizer the tokens are bytes
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < need:
+        what = f"the tokenizer's {need} ({cfg.tokenizer})" if cfg.tokenizer else "256 byte tokens"
+        raise VocabSizeError(
+            f"the model's vocab_size {vocab} cannot hold {what}: give a config with a larger "
+            "vocab_size (or a [model] vocab_size with --hf-config)"
+        )
+    positions = getattr(config, "max_position_embeddings", None)
+    positions = positions or getattr(config, "n_positions", None)
+    if positions is not None and cfg.seq > int(positions):
+        raise TrainConfigError(
+            f"--seq {cfg.seq} exceeds the model's {positions} positions "
+            "(max_position_embeddings / n_positions)"
+        )
+
+
+def _convert(model: nn.Module, cfg: TrainConfig, method: str) -> None:
+    from ..convert import to_low_rank
+
+    try:
+        report = to_low_rank(
+            model, rank=cfg.rank, rank_ratio=cfg.rank_ratio, method=method,
+            multiple_of=cfg.rank_multiple,
+        )  # fmt: skip
+    except BoostError:
+        raise
+    except ValueError as err:  # to_low_rank's argument checks
+        raise TrainConfigError(f"--rank / --rank-ratio / --rank-multiple: {err}") from err
+    if not report.layers:  # (to_low_rank logs what it converted)
+        raise TrainConfigError(
+            f"to_low_rank converted no layer of {type(model).__name__} (--rank-ratio "
+            f"{cfg.rank_ratio}, --rank-multiple {cfg.rank_multiple}): nothing for BTP to split"
+        )
+
+
+def _same_on_every_rank(model: nn.Module) -> None:
+    """Rank 0's values everywhere: parallelize cuts each rank's shards from its own copy.
+
+    An SVD's singular vectors are defined up to sign, and LAPACK may pick other signs with
+    another thread count; shards cut from two factorizations would not form one model.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+def build(cfg: TrainConfig) -> nn.Module:
+    """The run's transformers model, low-rank, identical on every rank, in training mode."""
+    tf = _transformers()
+    check(cfg)
+    torch.manual_seed(cfg.seed)
+    if cfg.hf_config:
+        config = tf.AutoConfig.from_pretrained(cfg.hf_config, local_files_only=True,
+                                               trust_remote_code=False)  # fmt: skip
+        if LOW_RANK_KEY in config.to_dict():
+            # A boost export's config: its factors were for its own weights; new ones are drawn.
+            log.warning("--hf-config %s: its %s is replaced by this run's conversion",
+                        cfg.hf_config, LOW_RANK_KEY)  # fmt: skip
+            delattr(config, LOW_RANK_KEY)
+        config.update(dict(cfg.model_overrides))
+        _check_sizes(config, cfg)
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                    trust_remote_code=False)  # fmt: skip
+        method = cfg.low_rank_method or "cola"
+        _convert(model, cfg, method)
+        record_layout(model, method)
+    else:
+        from ..hf_io import from_pretrained
+
+        model = from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        _check_sizes(model.config, cfg)
+        if read_layout(model.config) is not None:
+            log.info("--init-from %s is low-rank already (%s): trained as it is", cfg.init_from,
+                     LOW_RANK_KEY)  # fmt: skip
+        else:
+            _convert(model, cfg, "svd")
+            record_layout(model, "svd")
+    model.train()  # from_pretrained returns eval mode; dropout as the config says
+    _same_on_every_rank(model)
+    return model
+
+
+class LossForward:
+    """``forward(ids, labels=ids)`` -> the loss, for a transformers causal LM (or its
+    compiled form): the call the training loop and validation make."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+
+    def __call__(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.forward(ids, labels=labels, **EXAMPLE_KWARGS).loss
+
+
+def config_record(model: nn.Module) -> dict[str, Any]:
+    """The model's transformers config as JSON values (its low-rank layout included)."""
+    return json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[operator]
+
+
+def export_hf(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
+    """``boost export --format hf``: the checkpoint's model as a folder that
+    :func:`boost_compiler.from_pretrained` (and transformers, for the weights) loads."""
+    from .checkpoint import single_device_state_dict
+
+    sd, state = single_device_state_dict(checkpoint)
+    config = state.get(STATE_KEY)
+    if config is None:
+        raise HFFolderError(
+            f"{checkpoint}: a checkpoint of the packaged CoLA-LLaMA, not of a transformers model "
+            "(--hf-config / --init-from): export it with --format safetensors"
+        )
+    folder = write_folder(out, config, sd)
+    return {"path": str(folder), "step": state["step"], "tensors": len(sd),
+            "numel": sum(t.numel() for t in sd.values())}  # fmt: skip
