@@ -84,7 +84,7 @@ def predict(system: str, spec: ModelSpec, tp: int) -> dict[str, Any]:
         out[f"{way}_count"] = int(count.subs(subs))
     out["bytes"] = out["fwd_bytes"] + out["bwd_bytes"]
     out["count"] = out["fwd_count"] + out["bwd_count"]
-    head = "vocab-parallel head (all-gather [b,s,d] fwd, all-reduce bwd) + loss and norm stats"
+    head = "vocab-parallel head (all-gather [b,s,d] fwd, reduce-scatter bwd) + loss and norm stats"
     terms = {"boost": f"L x (7r+2 stats fwd, 7r bwd) + {head}",
              "btp": f"L x (7r+2 stats fwd and bwd) + {head}",
              "standard": "L x (5d+2d_ff fwd, 6d+d_ff bwd)", "dense": "L x (2d fwd, 5d bwd)"}  # fmt: skip
