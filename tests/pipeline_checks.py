@@ -1,10 +1,12 @@
 """Checks of pipeline parallelism with BTP inside each stage (issue 17), run by tp_harness.
 
-Each rank builds the tiny CoLA-LLaMA twice from one seed: one copy becomes its
-pipeline stage on a ``(pp, dp, tp)`` mesh, the other stays whole as the single-device
-reference trained on the whole batch. After every step the pipelined loss is compared
-with the reference's; after the last, every parameter of this rank's stage, gathered
-over dp and tp to its global shape, with the reference's parameter of the same name.
+Each rank builds the tiny CoLA-LLaMA (or a tiny transformers Llama made low-rank by
+``to_low_rank(method="cola")``) twice from one seed: one copy becomes its pipeline
+stage on a ``(pp, dp, tp)`` mesh, the other stays whole as the single-device reference
+trained on the whole batch. After every step the pipelined loss and this rank's
+stage's gradients, gathered over dp and tp to global shapes, are compared with the
+reference's; after the last, every parameter of the stage, with the reference's
+parameter of the same name.
 What was sent point-to-point is recorded per step (shapes, bytes, peers).
 """
 
@@ -26,51 +28,84 @@ def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
 
+def _models(kind: str, n_layers: int) -> tuple[Any, Any, Any, int]:
+    """Three identical models (the one to split, the reference, the untouched start),
+    how the reference is called, and the vocabulary size.
+
+    ``hf``: transformers' ``LlamaForCausalLM`` converted by ``to_low_rank(method="cola")``
+    (``tests.models.make_hf``, what ``--hf-config`` builds), called as the trainer calls it.
+    """
+    if kind == "cola":
+        a, b, c = (cola.build("tiny", seed=0, n_layers=n_layers) for _ in range(3))
+        return a, b, c, 256
+    from tests.models import HF_VOCAB, make_hf
+
+    model, ref, start = (make_hf(0, layers=n_layers)[0] for _ in range(3))
+    return model, ref, start, HF_VOCAB
+
+
+def _loss_of(kind: str, ref: Any, ids: torch.Tensor) -> torch.Tensor:
+    if kind == "cola":
+        return ref(ids, labels=ids)
+    return ref(ids, labels=ids, use_cache=False).loss
+
+
 def pipelined_step(
     pp: int, dp: int, tp: int, m: int, *, opt: str = "sgd", schedule: str = "1f1b",
-    steps: int = 2, batch: int = 4, seq: int = 16, world: int, mesh: Any,
+    steps: int = 2, batch: int = 4, seq: int = 16, model: str = "cola", world: int, mesh: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """``steps`` optimizer steps pipelined at (pp, dp, tp) with ``m`` micro-batches vs one device.
 
-    ``batch`` is the global batch (split over dp, then into ``m`` micro-batches).
+    ``batch`` is the global batch (split over dp, then into ``m`` micro-batches);
+    ``model``: ``cola`` (the packaged CoLA-LLaMA) or ``hf`` (see :func:`_models`), 2
+    layers per stage. Every step the loss and this stage's gradients, gathered to global
+    shapes, are compared with the reference's; after the last, the parameters.
     """
     del mesh  # the harness's 1-D world mesh; this check builds its own 3-D one
-    overrides = {"n_layers": 2 * pp}
-    model = cola.build("tiny", seed=0, **overrides)
-    ref = cola.build("tiny", seed=0, **overrides)
+    kind = model
+    whole, ref, start, vocab = _models(kind, 2 * pp)
     mesh3 = init_pipeline_mesh(pp, dp, tp)
     dp_rank = mesh3["dp"].get_local_rank()
-    pipe = build_pipeline(model, mesh3, batch // dp, seq, m, schedule=schedule)
+    pipe = build_pipeline(whole, mesh3, batch // dp, seq, m, schedule=schedule)
     optim, ref_optim = _optimizer(opt, pipe.module.parameters()), _optimizer(opt, ref.parameters())
     meter = P2PMeter()
-    loss_err = 0.0
+    loss_err = grad_err = 0.0
+    worst_grad = ""
     losses = []
+    ref_params = dict(ref.named_parameters())
     for step in range(steps):
-        ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(step))
         with meter.watch():
             loss = pipe.step(ids.chunk(dp)[dp_rank])
         # the dp ranks saw disjoint rows: the global mean loss is their mean
         value = loss.reshape(1).clone()
         dist.all_reduce(value, group=mesh3["dp"].get_group())
+        grads = pipe.full_state_dict(grads=True)
         optim.step()
         optim.zero_grad(set_to_none=True)
-        want = ref(ids, labels=ids)
+        want = _loss_of(kind, ref, ids)
         want.backward()
+        for name, g in grads.items():
+            err = _rel(g, ref_params[name].grad)
+            if err > grad_err:
+                grad_err, worst_grad = err, name
         ref_optim.step()
         ref_optim.zero_grad(set_to_none=True)
         loss_err = max(loss_err, _rel(value / dp, want.detach().reshape(1)))
         losses.append((value.item() / dp, want.item()))
     full = pipe.full_state_dict()
-    ref_params = dict(ref.named_parameters())
     param_errs = {name: _rel(t, ref_params[name]) for name, t in full.items()}
-    moved = max(_rel(t, cola.build("tiny", seed=0, **overrides).state_dict()[n]) for n, t in
-                full.items())  # fmt: skip
+    start_sd = start.state_dict()
+    moved = max(_rel(t, start_sd[n]) for n, t in full.items())
     return {
         "stage": pipe.spec.index,
         "layers": list(pipe.spec.layers),
         "params": sorted(full),
+        "grad_params": sorted(grads),
         "loss": loss_err,
         "losses": losses,
+        "grad": grad_err,
+        "worst_grad": worst_grad,
         "param": max(param_errs.values()),
         "worst_param": max(param_errs, key=param_errs.__getitem__),
         "moved": moved,
@@ -86,15 +121,35 @@ def pipelined_step(
 TRAIN = {"steps": 3, "batch": 4, "seq": 32, "warmup": 1, "clip": 0.5, "log_every": 100}
 
 
-def trainer(pp: int, m: int, *, world: int, mesh: Any) -> dict[str, Any]:
-    """``train`` with ``pp``/``microbatches`` (the ``--pp N --microbatches M`` path)."""
+def trainer(
+    pp: int, m: int, *, hf_config: str | None = None, checkpoint_dir: str | None = None,
+    pp_layers: tuple[int, ...] | None = None, world: int, mesh: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """``train`` with ``pp``/``microbatches`` (the ``--pp N --microbatches M`` path;
+    ``hf_config``: ``--hf-config DIR``, a transformers Llama; ``checkpoint_dir``: saved at
+    the end, the checkpoint's path returned; ``pp_layers``: ``--pp-layers``). Also returns
+    the stages' layers as the trainer split them."""
     from boost_compiler.train import TrainConfig, train
+    from boost_compiler.train import pipeline as pipeline_mod
 
     del mesh
-    cfg = TrainConfig(**TRAIN, pp=pp, microbatches=m, tp=world // pp, compile=False,
-                      progress=False)  # fmt: skip
-    res = train(cfg)
-    return {"losses": res.losses, "grad_norms": res.grad_norms}
+    split, stages = pipeline_mod.split_layers, []
+
+    def recording_split(*args: Any, **kwargs: Any) -> Any:
+        specs = split(*args, **kwargs)
+        stages.append([list(s.layers) for s in specs])
+        return specs
+
+    pipeline_mod.split_layers = recording_split
+    try:
+        cfg = TrainConfig(**TRAIN, pp=pp, microbatches=m, tp=world // pp, compile=False,
+                          progress=False, hf_config=hf_config, pp_layers=pp_layers,
+                          checkpoint_dir=checkpoint_dir)  # fmt: skip
+        res = train(cfg)
+    finally:
+        pipeline_mod.split_layers = split
+    return {"losses": res.losses, "grad_norms": res.grad_norms, "stages": stages,
+            "checkpoint": str(res.checkpoint) if res.checkpoint else None}  # fmt: skip
 
 
 def resumed_trainer(

@@ -28,16 +28,18 @@ def _gloo_events(fn: Any) -> int:
 
 def _compare(
     model: nn.Module, ref: nn.Module, ids: torch.Tensor, world: int, steps: int = 2,
-    labels_of: Any = None, lr: float = 0.1,
+    labels_of: Any = None, lr: float = 0.1, run: Any = None,
 ):  # fmt: skip
-    """SGD steps of a parallelized HF model against its single-device copy, every value."""
+    """SGD steps of a parallelized HF model against its single-device copy, every value;
+    ``run``: what is called for the parallel model (e.g. its ``torch.compile``)."""
+    runner = model if run is None else run  # not `run or model`: a compiled module has no bool
     plan = model.boost_plan
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
     errs = {"logits": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0}
     for step in range(steps):
         labels = ids.roll(step + 1, dims=1) if labels_of is None else labels_of(step)
-        out = model(ids, labels=labels, use_cache=False)
+        out = runner(ids, labels=labels, use_cache=False)
         out_ref = ref(ids, labels=labels, use_cache=False)
         errs["logits"] = max(errs["logits"], _rel(out.logits.detach(), out_ref.logits.detach()))
         errs["loss"] = max(errs["loss"], _rel(out.loss.detach(), out_ref.loss.detach()))

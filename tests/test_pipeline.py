@@ -5,12 +5,17 @@ the pipelined step (loss; parameters after 2 SGD steps, gathered to global shape
 equals one device's step on the whole batch within fp32 1e-5 relative, and what crosses
 a stage boundary is each tp rank's ``[b/m, s, d/tp]``, sent to the same tp rank of the
 next stage. (2, 1, 2) and (2, 1, 1) always run; the dp > 1 layouts with
-``BOOST_FULL_TESTS=1`` (more processes than the 2 CI cores take in a quick run).
+``BOOST_FULL_TESTS=1`` (more processes than the 2 CI cores take in a quick run). The
+same checks run on a tiny transformers ``LlamaForCausalLM`` made low-rank by
+``to_low_rank(method="cola")`` (``train/pipeline_hf.py``), and ``train`` with
+``--pp 2 --hf-config`` against one process.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -25,35 +30,89 @@ FULL_REASON = "dp > 1 layouts start 4-8 processes on 2 cores; BOOST_FULL_TESTS=1
 D_MODEL = 64  # the tiny preset's hidden size
 
 
+# The transformers checks need the [hf] extra; without it the CoLA ones still run.
+HAS_HF = importlib.util.find_spec("transformers") is not None
+
+
 @pytest.fixture(scope="module")
 def four() -> dict:
     checks: list[tuple] = [("pp2dp1tp2", FN, (2, 1, 2, 2))]
+    if HAS_HF:
+        checks.append(("hf/pp2dp1tp2", FN, (2, 1, 2, 2), {"model": "hf"}))
     if FULL:
         checks.append(("pp2dp2tp1", FN, (2, 2, 1, 2), {"batch": 8}))
     return run_world(4, checks)
 
 
+def _llama_config(folder: Path) -> str:
+    """A tiny Llama ``config.json`` folder (no weights) for ``--hf-config``: 2 layers, one
+    per stage; every factor's rank (ratio 0.25, multiple of 8) divides by tp=2, and the
+    vocabulary holds the byte tokens of the embedded corpus."""
+    import transformers as tf
+
+    tf.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
-def two() -> dict:
-    return run_world(2, [("pp2dp1tp1", FN, (2, 1, 1, 2)),
-                         ("pp2dp1tp1/gpipe-adamw", FN, (2, 1, 1, 2),
-                          {"schedule": "gpipe", "opt": "adamw"}),
-                         ("train/pp2", "tests.pipeline_checks:trainer", (2, 2))])  # fmt: skip
+def llama_config(tmp_path_factory: pytest.TempPathFactory) -> str | None:
+    return _llama_config(tmp_path_factory.mktemp("llama-config")) if HAS_HF else None
 
 
-def _check_exact(res: dict, pp: int, dp: int, tp: int, m: int, batch: int = 4) -> None:
+@pytest.fixture(scope="module")
+def hf_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Where the ``--pp 2 --hf-config`` run saves; its export is checked below."""
+    return str(tmp_path_factory.mktemp("hf-pp2") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def two(llama_config: str | None, hf_ckpt: str) -> dict:
+    trainer = "tests.pipeline_checks:trainer"
+    checks: list[tuple] = [("pp2dp1tp1", FN, (2, 1, 1, 2)),
+                           ("pp2dp1tp1/gpipe-adamw", FN, (2, 1, 1, 2),
+                            {"schedule": "gpipe", "opt": "adamw"}),
+                           ("train/pp2", trainer, (2, 2)),
+                           ("train/pp2-layers", trainer, (2, 2), {"pp_layers": (2, 0)})]  # fmt: skip
+    if HAS_HF:
+        checks += [("hf/pp2dp1tp1", FN, (2, 1, 1, 2), {"model": "hf"}),
+                   ("train/hf-pp2", trainer, (2, 2),
+                    {"hf_config": llama_config, "checkpoint_dir": hf_ckpt})]  # fmt: skip
+    return run_world(2, checks)
+
+
+def _needs_hf(key: str) -> None:
+    if key.startswith(("hf/", "train/hf")) and not HAS_HF:
+        pytest.skip("the transformers checks need the [hf] extra")
+
+
+# The first and last stage's own parameters, under the whole model's names.
+ENDS = {
+    "cola": ({"embed.weight"}, {"lm_head.weight", "norm.weight"}),
+    "hf": ({"model.embed_tokens.weight"}, {"lm_head.weight", "model.norm.weight"}),
+}
+
+
+def _check_exact(
+    res: dict, pp: int, dp: int, tp: int, m: int, batch: int = 4, model: str = "cola"
+) -> None:
     rks = res["ranks"]
     assert len(rks) == pp * dp * tp
     stages = {r["stage"] for r in rks}
     assert stages == set(range(pp))
     for r in rks:
         assert r["loss"] <= RTOL, r
+        assert r["grad"] <= RTOL, (r["worst_grad"], r)
+        assert r["grad_params"] == r["params"], r  # every parameter's gradient was compared
         assert r["param"] <= RTOL, (r["worst_param"], r)
         assert r["moved"] > 1e-4, r  # the steps changed the parameters
     first = [r for r in rks if r["stage"] == 0]
     last = [r for r in rks if r["stage"] == pp - 1]
-    assert all("embed.weight" in r["params"] for r in first)
-    assert all({"lm_head.weight", "norm.weight"} <= set(r["params"]) for r in last)
+    assert all(ENDS[model][0] <= set(r["params"]) for r in first)
+    assert all(ENDS[model][1] <= set(r["params"]) for r in last)
+    assert not any(ENDS[model][1] & set(r["params"]) for r in first)
     # What crosses the boundary: this tp rank's hidden shard, to the same tp rank.
     shard = [batch // dp // m, 16, D_MODEL // tp]
     for r in rks:
@@ -88,13 +147,37 @@ def test_pp2_gpipe_adamw_is_exact(two: dict) -> None:
     _check_exact(result_of(two, "pp2dp1tp1/gpipe-adamw"), 2, 1, 1, 2)
 
 
-def test_trainer_pp_path_matches_one_process(two: dict) -> None:
-    """``train(pp=2, microbatches=2)``: losses and clipped-norm inputs equal tp=pp=1's."""
+def test_pp2_tp1_hf_llama_is_exact(two: dict) -> None:
+    """A transformers Llama (to_low_rank cola) split by decoder layer: loss, gradients and
+    parameters after 2 SGD steps (1F1B, 2 micro-batches) equal one device's."""
+    _needs_hf("hf/")
+    res = result_of(two, "hf/pp2dp1tp1")
+    print("hf pp=2 tp=1: worst loss / grad / param error:",
+          max(r["loss"] for r in res["ranks"]), max(r["grad"] for r in res["ranks"]),
+          max(r["param"] for r in res["ranks"]))  # fmt: skip
+    _check_exact(res, 2, 1, 1, 2, model="hf")
+
+
+def test_pp2_tp2_hf_llama_is_exact_and_sends_shards(four: dict) -> None:
+    _needs_hf("hf/")
+    res = result_of(four, "hf/pp2dp1tp2")
+    print("hf pp=2 tp=2: worst loss / grad / param error:",
+          max(r["loss"] for r in res["ranks"]), max(r["grad"] for r in res["ranks"]),
+          max(r["param"] for r in res["ranks"]))  # fmt: skip
+    _check_exact(res, 2, 1, 2, 2, model="hf")
+
+
+@pytest.mark.parametrize("key", ["train/pp2", "train/pp2-layers", "train/hf-pp2"])
+def test_trainer_pp_path_matches_one_process(two: dict, llama_config: str | None, key: str) -> None:
+    """``train(pp=2, microbatches=2)``: losses and clipped-norm inputs equal tp=pp=1's
+    (the packaged CoLA-LLaMA, and ``--hf-config`` with a transformers Llama)."""
     from boost_compiler.train import TrainConfig, train
     from tests.pipeline_checks import TRAIN
 
-    res = result_of(two, "train/pp2")
-    want = train(TrainConfig(**TRAIN, compile=False, progress=False))
+    _needs_hf(key)
+    res = result_of(two, key)
+    hf = {"hf_config": llama_config} if key == "train/hf-pp2" else {}
+    want = train(TrainConfig(**TRAIN, compile=False, progress=False, **hf))
     for r in res["ranks"]:
         got = {int(k): v for k, v in r["losses"].items()}
         norms = {int(k): v for k, v in r["grad_norms"].items()}
@@ -103,6 +186,32 @@ def test_trainer_pp_path_matches_one_process(two: dict) -> None:
             assert abs(got[s] - want.losses[s]) <= 1e-5 * abs(want.losses[s]), (got, want.losses)
             assert abs(norms[s] - want.grad_norms[s]) <= 1e-5 * want.grad_norms[s]
     assert want.grad_norms[0] > 0.5  # clipping was active
+    if key == "train/pp2-layers":  # --pp-layers 2,0: the last stage is the norm and head alone
+        assert all(r["stages"] == [[[0, 1], []]] for r in res["ranks"]), res["ranks"]
+
+
+def test_pp2_hf_checkpoint_exports_the_one_process_model(
+    two: dict, llama_config: str | None, tmp_path: Path
+) -> None:
+    """The ``--pp 2 --hf-config`` run's checkpoint (each stage saved its own layers) holds one
+    transformers model: ``boost export --format hf`` of it, loaded by ``from_pretrained``,
+    has the parameters of the same run on one process, within 1e-5 relative."""
+    _needs_hf("train/hf")
+    import boost_compiler
+    from boost_compiler.train import TrainConfig, train
+    from boost_compiler.train.hf_model import export_hf
+    from tests.pipeline_checks import TRAIN
+    from tests.tp_harness import _rel
+
+    (ck,) = {r["checkpoint"] for r in result_of(two, "train/hf-pp2")["ranks"]}
+    export_hf(ck, tmp_path / "exported")
+    got = boost_compiler.from_pretrained(str(tmp_path / "exported")).state_dict()
+    want = train(TrainConfig(**TRAIN, compile=False, progress=False, hf_config=llama_config))
+    assert want.model is not None
+    ref = want.model.state_dict()
+    assert set(got) == set(ref)
+    errs = {k: _rel(got[k], ref[k]) for k in ref}
+    assert max(errs.values()) <= RTOL, max(errs, key=errs.__getitem__)
 
 
 @pytest.mark.skipif(not FULL, reason=FULL_REASON)
@@ -134,3 +243,46 @@ def test_split_layers() -> None:
         split_layers(3, 2, [1, 1])
     with pytest.raises(PipelineError, match="middle stage"):
         split_layers(2, 3, [1, 0, 1])
+
+
+def test_hf_stages_chain_to_the_whole_model() -> None:
+    """In one process: the 3 stages of a 6-layer (to_low_rank cola) Llama, run one after the
+    other, give the whole model's loss and gradients, under the whole model's names."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import torch
+
+    from boost_compiler.train.pipeline_hf import HFLlamaStage
+    from tests.models import make_hf
+
+    model, (ids,) = make_hf(0, layers=6)
+    ref = copy.deepcopy(model)
+    stages = [HFLlamaStage(model, s) for s in split_layers(6, 3)]
+    hidden = ids
+    for st in stages[:-1]:
+        hidden = st(hidden)
+    loss = stages[-1](hidden, labels=ids)
+    want = ref(ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(loss, want, rtol=RTOL, atol=0)
+    loss.backward()
+    want.backward()
+    ref_params = dict(ref.named_parameters())
+    names = [n for st in stages for n, _ in st.named_parameters()]
+    assert sorted(names) == sorted(ref_params)  # each parameter in exactly one stage
+    for st in stages:
+        for name, prm in st.named_parameters():
+            torch.testing.assert_close(prm.grad, ref_params[name].grad, rtol=RTOL, atol=1e-8)
+    assert sorted(stages[1].state_dict())[0].startswith("model.layers.2.")  # global indices
+
+
+def test_hf_stages_refuse_other_layouts() -> None:
+    """Families whose layer loop is not Llama's, and a head tied to the embedding."""
+    pytest.importorskip("transformers")
+    from boost_compiler.train.pipeline_hf import HFLlamaStage, hf_dims
+    from tests.models import hf_decoder
+
+    with pytest.raises(PipelineError, match="'qwen2'"):
+        HFLlamaStage(hf_decoder("qwen2"), split_layers(2, 2)[0])
+    assert hf_dims(hf_decoder("llama")) == (2, 64, False)
+    assert hf_dims(hf_decoder("llama", tie_word_embeddings=True))[2]

@@ -111,7 +111,9 @@ def gpt2_tied_logits(*, world: int, mesh: Any) -> dict[str, Any]:
             "decisions": model.boost_plan.decisions, "fallbacks": model.boost_plan.fallbacks}  # fmt: skip
 
 
-def user_train_step(reduction: str, smoothing: float, *, world: int, mesh: Any) -> dict[str, Any]:
+def user_train_step(
+    reduction: str, smoothing: float, lowering: str = "eager", *, world: int, mesh: Any
+) -> dict[str, Any]:
     """A user's compiled step: ``F.cross_entropy(model(x).view(-1, V), y)`` outside the model."""
     import boost_compiler
     from examples.cola_llama import build, example_inputs
@@ -139,7 +141,7 @@ def user_train_step(reduction: str, smoothing: float, *, world: int, mesh: Any) 
 
     step = Step(model)
     boost_compiler.parallelize(step, mesh, (ids, targets))
-    compiled = torch.compile(step, backend="boost", options={"lowering": "eager"})
+    compiled = torch.compile(step, backend="boost", options={"lowering": lowering})
     ref_step = Step(ref)
     errs = _train(
         step, ref_step, lambda k: compiled(ids, targets.roll(k, 1)),
@@ -149,7 +151,7 @@ def user_train_step(reduction: str, smoothing: float, *, world: int, mesh: Any) 
             "decisions": step.boost_plan.decisions, "fallbacks": step.boost_plan.fallbacks}  # fmt: skip
 
 
-def hf_padded(family: str, *, world: int, mesh: Any) -> dict[str, Any]:
+def hf_padded(family: str, lowering: str | None = None, *, world: int, mesh: Any) -> dict[str, Any]:
     """HF's own loss (shift, ``ignore_index=-100``) on a left-padded batch; logits returned too."""
     import boost_compiler
     from tests.models import make_hf
@@ -167,6 +169,9 @@ def hf_padded(family: str, *, world: int, mesh: Any) -> dict[str, Any]:
 
     # lr 0.02: at 0.1 this tiny model amplifies fp32 rounding past 1e-5 in 3 steps even
     # on one device (a twin whose head is two column blocks differs by 1.0e-5).
-    errs = _compare(model, ref, ids, world, steps=3, labels_of=labels_of, lr=0.02)
+    run = None
+    if lowering is not None:
+        run = torch.compile(model, backend="boost", options={"lowering": lowering})
+    errs = _compare(model, ref, ids, world, steps=3, labels_of=labels_of, lr=0.02, run=run)
     return {**errs, "head": _head(model), "decisions": model.boost_plan.decisions,
             "fallbacks": model.boost_plan.fallbacks}  # fmt: skip

@@ -48,6 +48,7 @@ class TrainConfig:
     dp: int | None = None  # None: world size // (tp * pp)
     pp: int = 1  # pipeline stages (train/pipeline.py), 1F1B over `microbatches`
     microbatches: int = 1  # per dp rank and step, when pp > 1
+    pp_layers: tuple[int, ...] | None = None  # decoder layers per stage; None: as even as can be
     steps: int = 100
     stop_at: int | None = None  # leave after this many steps (schedule still over `steps`)
     batch: int = 8  # sequences per optimizer step, summed over the dp ranks
@@ -121,6 +122,11 @@ class TrainConfig:
                     f"the global batch ({self.batch}) must divide by dp ({dp}): every dp rank "
                     "takes an equal, disjoint slice"
                 )
+        if self.pp_layers is not None and len(self.pp_layers) != self.pp:
+            raise TrainConfigError(
+                f"--pp-layers {','.join(map(str, self.pp_layers))} names {len(self.pp_layers)} "
+                f"stage(s), --pp is {self.pp}: give one layer count per stage"
+            )
         if self.pp > 1 and self.compile:
             raise TrainConfigError("--pp > 1 runs eagerly for now: add --no-compile")
         if self.comm_timeout <= 0:
@@ -209,6 +215,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages, 1F1B; needs --no-compile; checkpoints load at any "
                    "(pp, dp, tp) (1)")  # fmt: skip
     p.add_argument("--microbatches", type=int, default=s, help="micro-batches per step (1)")
+    p.add_argument("--pp-layers", type=_layer_counts, default=s, metavar="N,N,...",
+                   help="decoder layers of each pipeline stage, e.g. 3,5 (default: an even "
+                   "split, extra layers to the middle stages)")  # fmt: skip
     p.add_argument("--steps", type=int, default=s, help="optimizer steps in total (100)")
     p.add_argument("--stop-at", type=int, default=s,
                    help="leave after this many steps, keeping the --steps schedule "
@@ -265,6 +274,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a collective waiting longer for its peers fails, and the run exits "
                    "naming the lost rank (600)")  # fmt: skip
     p.add_argument("--log-every", type=int, default=s, help="log a line every K steps (10)")
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--pp-layers takes comma-separated layer counts, e.g. 3,5; got {text!r}"
+        ) from None
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

@@ -12,7 +12,9 @@
   low-rank already and is trained on as it is.
 
 From there the trainer treats it as it treats the CoLA-LLaMA (BTP over ``tp`` with the
-loss in the graph, FSDP2 over ``dp``); only the call differs, HF's
+loss in the graph, FSDP2 over ``dp``; at ``--pp > 1`` a Llama is cut into stages by
+decoder layer, :mod:`.pipeline_hf`, other families are refused there); only the call
+differs, HF's
 ``model(ids, labels=ids, use_cache=False).loss`` (:class:`LossForward`). The checkpoint's
 ``train_state.json`` keeps the model's config with its low-rank layout
 (:data:`STATE_KEY`), so :func:`export_hf` needs nothing but the checkpoint.
@@ -66,11 +68,6 @@ def check(cfg: TrainConfig) -> None:
         raise TrainConfigError(
             "a [model] table changes the architecture, which --init-from's weights fix: drop "
             "it (or use --hf-config)"
-        )
-    if cfg.pp > 1:
-        raise TrainConfigError(
-            "--pp > 1 splits the packaged CoLA-LLaMA by layer; it does not take --hf-config / "
-            "--init-from models yet"
         )
     if cfg.rank_multiple < 1 or (cfg.rank is not None and cfg.rank % cfg.rank_multiple):
         raise TrainConfigError(

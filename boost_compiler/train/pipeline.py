@@ -1,8 +1,9 @@
 """Pipeline parallelism over ``pp``, BTP inside each stage over ``tp``, FSDP2 over ``dp``.
 
-Layout: a 3-D ``DeviceMesh`` ``(pp, dp, tp)``. The CoLA-LLaMA is cut by layer into
-``pp`` stages (stage 0: embedding + its layers; the last: its layers + final norm +
-LM head + loss); each stage module is parallelized on its own with
+Layout: a 3-D ``DeviceMesh`` ``(pp, dp, tp)``. The CoLA-LLaMA (or a transformers
+``LlamaForCausalLM``: ``pipeline_hf``) is cut by layer into ``pp`` stages (stage 0:
+embedding + its layers; the last: its layers + final norm + LM head + loss); each
+stage module is parallelized on its own with
 ``parallelize(stage, mesh["tp"], <that stage's micro-batch inputs>)`` and, at
 ``dp > 1``, wrapped by ``fully_shard`` over ``mesh["dp"]``. Scheduling is torch's
 (``PipelineStage`` with ``Schedule1F1B``, ``ScheduleGPipe`` on request).
@@ -134,7 +135,7 @@ class BoundaryStage(nn.Module):
     the stage's graph sees is replicated, as its exactness requires).
     """
 
-    def __init__(self, stage: CoLAStage, tp_group: Any = None) -> None:
+    def __init__(self, stage: nn.Module, tp_group: Any = None) -> None:
         super().__init__()
         self.stage = stage
         self.tp = 1 if tp_group is None else dist.get_world_size(tp_group)
@@ -236,8 +237,9 @@ class Pipeline:
         for name, prm in self.module.named_parameters():
             yield name.removeprefix("stage."), prm
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters at global shapes (a collective over dp and tp)."""
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """This stage's parameters (``grads``: the gradients of those that have one) at
+        global shapes (a collective over dp and tp)."""
         from ..tp.placement import R
         from ..tp.shadow import parallel_state
         from ..tp.state_dict import _gather_one
@@ -246,8 +248,11 @@ class Pipeline:
         out: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, prm in self.named_parameters_local():
-                full_tensor = getattr(prm, "full_tensor", None)
-                block = full_tensor() if callable(full_tensor) else prm.detach()
+                src = prm.grad if grads else prm
+                if src is None:
+                    continue
+                full_tensor = getattr(src, "full_tensor", None)
+                block = full_tensor() if callable(full_tensor) else src.detach()
                 if state is None:
                     out[name] = block.clone()
                     continue
@@ -259,14 +264,14 @@ class Pipeline:
 
 
 def _stage_examples(
-    spec: StageSpec, cfg: Any, mb: int, seq: int, dtype: torch.dtype, device: torch.device
+    spec: StageSpec, d_model: int, mb: int, seq: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
     """One micro-batch's inputs as the stage's graph sees them (full hidden, global shapes)."""
     ids = torch.zeros(mb, seq, dtype=torch.long, device=device)
     if spec.first:
         args: tuple[torch.Tensor, ...] = (ids,)
     else:
-        hidden = torch.randn(mb, seq, cfg.d_model, dtype=dtype, device=device)
+        hidden = torch.randn(mb, seq, d_model, dtype=dtype, device=device)
         args = (hidden.requires_grad_(),)  # as received: the schedule makes it require grad
     return args, ({"labels": ids} if spec.last else {})
 
@@ -296,7 +301,8 @@ def build_pipeline(
     fsdp: bool = True,
     options: dict[str, Any] | None = None,
 ) -> Pipeline:
-    """This rank's stage of ``model`` (a ``ColaLlama``, identical on every rank).
+    """This rank's stage of ``model`` (a ``ColaLlama`` or a transformers
+    ``LlamaForCausalLM``, see ``pipeline_hf``; identical on every rank).
 
     ``batch`` is the per-dp-rank batch of one step, cut into ``n_microbatches``.
     """
@@ -308,15 +314,22 @@ def build_pipeline(
     dp = mesh["dp"].size()
     if batch % n_microbatches:
         raise PipelineError(f"batch {batch} is not divisible by n_microbatches {n_microbatches}")
-    if pp > 1 and model.cfg.tie_embeddings:
+    from . import pipeline_hf
+
+    hf = pipeline_hf.is_hf_causal_lm(model)
+    if hf:
+        n_layers, d_model, tied = pipeline_hf.hf_dims(model)
+    else:
+        n_layers, d_model, tied = model.cfg.n_layers, model.cfg.d_model, model.cfg.tie_embeddings
+    if pp > 1 and tied:
         raise PipelineError("tied embeddings would span the first and last stage: untie them")
-    specs = split_layers(model.cfg.n_layers, pp, layer_counts)
+    specs = split_layers(n_layers, pp, layer_counts)
     spec = specs[mesh["pp"].get_local_rank()]
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    stage_mod = CoLAStage(model, spec)
+    stage_mod = pipeline_hf.HFLlamaStage(model, spec) if hf else CoLAStage(model, spec)
     mb = batch // n_microbatches
-    args, kwargs = _stage_examples(spec, model.cfg, mb, seq, dtype, device)
+    args, kwargs = _stage_examples(spec, d_model, mb, seq, dtype, device)
     if tp > 1:
         boost_compiler.parallelize(stage_mod, mesh["tp"], args, kwargs, options)
     module: nn.Module = BoundaryStage(stage_mod, mesh["tp"].get_group() if tp > 1 else None)
@@ -324,7 +337,7 @@ def build_pipeline(
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(module, mesh=mesh["dp"])
-    shard = (mb, seq, model.cfg.d_model // tp)
+    shard = (mb, seq, d_model // tp)
 
     # requires_grad in the metadata: the received activation's gradient is sent back.
     def act() -> torch.Tensor:
@@ -407,7 +420,10 @@ def setup_pipeline_run(cfg: Any) -> Any:
         model = model.to(torch.bfloat16)
     model_keys = list(model.state_dict().keys())  # before the split: every stage's names
     fsdp = dp > 1 and cfg.fsdp
-    pipe = build_pipeline(model, mesh, cfg.batch // dp, cfg.seq, cfg.microbatches, fsdp=fsdp)
+    pipe = build_pipeline(
+        model, mesh, cfg.batch // dp, cfg.seq, cfg.microbatches, fsdp=fsdp,
+        layer_counts=cfg.pp_layers,
+    )  # fmt: skip
     stage = pipe.module.stage
     layout = ckpt.model_layout(stage, mesh["tp"] if tp > 1 else None)
     layout.keys = model_keys
