@@ -29,7 +29,7 @@ from .ir.dump import GraphDumper
 from .options import BoostOptions
 from .passes import TP_REQUIRED, BoostPass, PassContext, run_pipeline
 from .passes.base import _digest
-from .tp.shadow import SUBSTITUTED, current_local, placeholder_record, shadow_param
+from .tp.placeholder import current_local, placeholder_record, shadow_param
 
 log = get_logger(__name__)
 
@@ -160,11 +160,8 @@ def _with_local_shards(fn: Callable[..., Any], positions: list[int], tp: Any) ->
 
     def run(*args: Any) -> Any:
         args_ = list(args)
-        records = [(i, placeholder_record(args_[i])) for i in positions]
-        seen = SUBSTITUTED.get()
-        if seen is not None:  # the parallelized forward checks its parameters were all here
-            seen.update(r.fqn for _, r in records)
-        for i, record in records:
+        for i in positions:
+            record = placeholder_record(args_[i])
             if record.group != tp:
                 raise ShardingError(
                     f"a graph compiled for tensor-parallel group {tp} was called with "

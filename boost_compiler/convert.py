@@ -52,7 +52,6 @@ __all__ = [
 ]
 
 METHODS = ("cola", "svd")
-_HEAD_NAMES = ("lm_head",)
 
 
 class LowRankLinear(nn.Module):
@@ -230,9 +229,19 @@ def _named_explicitly(name: str, patterns: Sequence[str]) -> bool:
     return any(not any(c in pat for c in "*?[") and pat == name for pat in patterns)
 
 
-def _heads(model: nn.Module, candidates: dict[str, nn.Module]) -> dict[str, str]:
-    """Candidates that are the output head, with why (tied heads flagged as such)."""
-    embeds = {id(m.weight): n for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+def _heads(
+    model: nn.Module, candidates: dict[str, nn.Module], conv1d: type | None
+) -> dict[str, str]:
+    """Candidates that are the output head by role, with why (never by their name).
+
+    A head is the projection onto the vocabulary: tied to an embedding's weight,
+    the model's ``get_output_embeddings()``, or mapping an embedding's width onto
+    its number of rows (``d -> V``), whatever it is called (``lm_head``, Meta's and
+    torchtitan's ``output``).
+    """
+    embeds = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    by_weight = {id(m.weight): n for n, m in embeds.items()}
+    vocab = {(m.embedding_dim, m.num_embeddings): n for n, m in embeds.items()}
     out_emb = None
     get = getattr(model, "get_output_embeddings", None)
     if callable(get):
@@ -241,12 +250,17 @@ def _heads(model: nn.Module, candidates: dict[str, nn.Module]) -> dict[str, str]
         except Exception:  # some HF models raise NotImplementedError here
             out_emb = None
     heads: dict[str, str] = {}
+    dense = "dense by default; include it by name to convert"
     for name, mod in candidates.items():
-        tied = embeds.get(id(mod.weight))
+        tied = by_weight.get(id(mod.weight))
+        _, d_in, d_out = _dims(mod, conv1d)
         if tied is not None:
             heads[name] = f"weight tied to embedding '{tied}'"
-        elif mod is out_emb or name.rsplit(".", 1)[-1] in _HEAD_NAMES:
-            heads[name] = "output head (dense by default; include it by name to convert)"
+        elif mod is out_emb:
+            heads[name] = f"output head (get_output_embeddings(); {dense})"
+        elif (d_in, d_out) in vocab:
+            emb = vocab[(d_in, d_out)]
+            heads[name] = f"output head (projects onto the {d_out} rows of '{emb}'; {dense})"
     return heads
 
 
@@ -331,7 +345,7 @@ def to_low_rank(
     _check_patterns(model, modules, candidates, inc, exc)
 
     report = ConversionReport(method=method, model_params_before=_param_count(model))
-    heads = _heads(model, candidates)
+    heads = _heads(model, candidates, conv1d)
     plan: list[tuple[str, nn.Module, int]] = []
     for name, mod in candidates.items():
         if inc and not _covered(name, inc):

@@ -46,6 +46,10 @@ class UncompiledFrameError(BoostError, RuntimeError):
     """A part of a parallelized model ran as plain Python, outside the compiled graphs."""
 
 
+class ClosureError(BoostError, TypeError):
+    """A function stored on a module reaches the model's modules in a way the shadow cannot rebind."""
+
+
 class HookAfterParallelizeError(BoostError, RuntimeError):
     """A hook registered on an inner module of a parallelized model, which never runs.
 

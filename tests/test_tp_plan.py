@@ -206,8 +206,8 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
     ``UncompiledFrameError``. The process-wide flag is untouched before, during
     setup and after (it is set only while the parallelized forward runs), so a
     plain model past the same limit still runs as dynamo's default says. Calling
-    the shadow's compiled entry without the forward's guard gives NaN, which is
-    what the guard prevents.
+    the shadow's compiled entry without the forward's flag runs the frame as
+    Python, where the placeholders themselves raise (they gave NaN before).
     """
     from boost_compiler.tp import shadow
 
@@ -236,7 +236,10 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
                     assert torch.isfinite(plain(torch.randn(2, size, 16)))
                 unguarded = torch.compile(model.forward._enter, backend="boost",
                                           options={"lowering": "eager"})  # fmt: skip
-                assert unguarded(x).isnan()  # what the guard prevents
+                # past the limit without the forward's flag: the frame runs as Python, and
+                # the placeholders themselves refuse to compute (they gave NaN before)
+                with pytest.raises(boost_compiler.UncompiledFrameError, match="placeholder"):
+                    unguarded(x)
         assert torch._dynamo.config.fail_on_recompile_limit_hit is previous
     finally:
         torch._dynamo.config.fail_on_recompile_limit_hit = previous

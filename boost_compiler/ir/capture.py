@@ -21,7 +21,7 @@ from torch import nn
 
 from .._logging import get_logger
 from ..errors import BoostError, CaptureError, MutationError, UncompiledFrameError
-from ..tp.shadow import shadow_param
+from ..tp.placeholder import shadow_param
 
 log = get_logger(__name__)
 

@@ -59,6 +59,8 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "clone": (torch.clone, "clone"),
     "detach": ("detach",),
     "contiguous": ("contiguous",),
+    "view_as_complex": (torch.view_as_complex,),
+    "view_as_real": (torch.view_as_real,),
     "cast": ("to", "float", "half", "bfloat16", "double", "type", "long", "int", "bool"),
     "type_as": ("type_as",),
     "zeros_like": (torch.zeros_like,),

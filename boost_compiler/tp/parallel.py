@@ -30,19 +30,12 @@ from ..errors import AlreadyParallelizedError, MeshError
 from ..ir.capture import CapturedGraph, capture
 from ..options import BoostOptions
 from ..passes import TP_REQUIRED, PassContext, run_pipeline
+from .closures import Rebinding, plan_rebinding, rebind
 from .collectives import graph_collectives, group_name_of
+from .placeholder import ShadowParam, make_placeholder
 from .placement import Placement, R
 from .plan import TPPlan
-from .shadow import (
-    ParallelState,
-    ShadowForward,
-    ShadowParam,
-    attach,
-    is_shard,
-    make_placeholder,
-    mark_shard,
-    parallel_state,
-)
+from .shadow import ParallelState, ShadowForward, attach, is_shard, mark_shard, parallel_state
 
 log = get_logger(__name__)
 
@@ -145,6 +138,7 @@ def parallelize(
     """
     opts = BoostOptions.parse(options)
     _refuse_parallelized(model)
+    rebindings = plan_rebinding(model)  # raises before anything is modified
     group = resolve_group(tp_mesh)
     graphs = capture(
         model, tuple(example_inputs), example_kwargs,
@@ -153,12 +147,7 @@ def parallelize(
 
     plan = _plan(graphs, group, opts)
     # Every check above ran on the captured copy: nothing was modified before here.
-    _shard_in_place(model, plan, group, dict(options or {}))
-    model.forward.expect(  # type: ignore[attr-defined]
-        model.training,
-        frozenset((example_kwargs or {}).keys()),
-        frozenset(fqn for g in graphs for fqn in g.param_names.values()),
-    )
+    _shard_in_place(model, plan, group, dict(options or {}), rebindings)
     synchronise_rng(group)
     log.info(
         "parallelized %s over tp=%d: %d bottleneck(s), %d sharded parameter(s)",
@@ -206,7 +195,11 @@ def _refuse_parallelized(model: nn.Module) -> None:
 
 
 def _shard_in_place(
-    model: nn.Module, plan: TPPlan, group: TPGroup, options: dict[str, Any]
+    model: nn.Module,
+    plan: TPPlan,
+    group: TPGroup,
+    options: dict[str, Any],
+    rebindings: Sequence[Rebinding],
 ) -> None:
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     first_name: dict[int, str] = {}
@@ -233,6 +226,7 @@ def _shard_in_place(
         memo[key] = make_placeholder(records[fqn], local, prm.shape)  # the shadow's parameter
         params[key] = local
     shadow = copy.deepcopy(model, memo)
+    rebind(shadow, rebindings, memo)  # closures over modules call the shadow's copies
     for key, local in params.items():
         for mod, name in owners[key]:
             mod._parameters[name] = local

@@ -20,7 +20,6 @@ itself run as on any module.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,14 +29,18 @@ import torch
 from torch import nn
 
 from ..errors import HookAfterParallelizeError, ParallelModelCopyError, UncompiledFrameError
+from .placeholder import (
+    ATTR,
+    ShadowParam,
+    current_local,
+    make_placeholder,
+    shadow_param,
+)
 
 if TYPE_CHECKING:
     from .parallel import TPGroup
-    from .placement import Placement
     from .plan import TPPlan
 
-# The one attribute the shadow contract puts on a model, a placeholder or a shard.
-ATTR = "_boost"
 
 # The methods that change what the shadow must copy: each syncs it after it ran.
 _MIRRORED = ("_apply", "train", "requires_grad_", "load_state_dict")
@@ -59,22 +62,6 @@ _CALL_HOOKS = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
-
-
-@dataclass(frozen=True, eq=False)
-class ShadowParam:
-    """What the boost backend needs about one placeholder of the shadow.
-
-    ``owner`` is the module of the model holding the shard, and the shard's name
-    there; ``local`` is the shard ``parallelize`` made, used only while the owner
-    holds none (see :func:`current_local`).
-    """
-
-    fqn: str
-    placement: Placement
-    group: TPGroup
-    owner: tuple[nn.Module, str]
-    local: nn.Parameter
 
 
 @dataclass(frozen=True)
@@ -115,20 +102,6 @@ def parallel_state(model: nn.Module) -> ParallelState | None:
     return state if isinstance(state, ParallelState) else None
 
 
-def shadow_param(t: Any) -> ShadowParam | None:
-    """The record of a shadow placeholder; None for any other value."""
-    info = getattr(t, ATTR, None)
-    return info if isinstance(info, ShadowParam) else None
-
-
-def placeholder_record(t: Any) -> ShadowParam:
-    """The record of ``t``, which must be a shadow placeholder."""
-    info = shadow_param(t)
-    if info is None:
-        raise TypeError(f"not a placeholder of a parallelized model's shadow: {type(t).__name__}")
-    return info
-
-
 def is_shard(t: Any) -> bool:
     """Whether ``t`` is a parameter ``parallelize`` made (a rank's shard)."""
     return isinstance(getattr(t, ATTR, None), Shard)
@@ -137,31 +110,6 @@ def is_shard(t: Any) -> bool:
 def mark_shard(t: nn.Parameter, fqn: str) -> nn.Parameter:
     setattr(t, ATTR, Shard(fqn))
     return t
-
-
-def make_placeholder(info: ShadowParam, like: torch.Tensor, shape: torch.Size) -> nn.Parameter:
-    """A global-``shape`` NaN parameter with ``like``'s dtype, device and ``requires_grad``.
-
-    Stride 0, so it holds one element whatever its shape; NaN, so a graph that
-    computed on it without the backend's substitution could not produce numbers.
-    """
-    nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
-    placeholder = nn.Parameter(nan.expand(shape), like.requires_grad)
-    setattr(placeholder, ATTR, info)
-    return placeholder
-
-
-def current_local(placeholder: torch.Tensor) -> torch.Tensor:
-    """The tensor the owning module holds for this placeholder's parameter now.
-
-    Looked up at every call, not fixed at ``parallelize`` time, so whatever
-    replaces the module's parameter is what runs: ``load_state_dict(assign=True)``,
-    or FSDP2, which swaps in the all-gathered parameter for the forward.
-    """
-    info = placeholder_record(placeholder)
-    mod, name = info.owner
-    current = mod._parameters.get(name)
-    return info.local if current is None else current
 
 
 def attach(model: nn.Module, state: ParallelState) -> None:
@@ -250,12 +198,6 @@ def _refuse_hook(name: str, method: str, *args: Any, **kwargs: Any) -> Any:
     )
 
 
-# The parameters the compiled graphs of the current forward call ran with (by name).
-SUBSTITUTED: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
-    "boost_substituted", default=None
-)
-
-
 # The least recompile limit a parallelized forward's frames get (see ShadowForward).
 SHADOW_RECOMPILE_LIMIT = 256
 
@@ -266,9 +208,9 @@ class ShadowForward:
     A frame of the shadow that dynamo gives up on (``recompile_limit``: HF
     forwards share wrapper code objects between models, and every new shape,
     backend or instance adds a cache entry) would by dynamo's default run as
-    plain Python, on the NaN placeholders: NaN or silently missing gradients.
+    plain Python, where the placeholders refuse to compute (:mod:`.placeholder`).
     ``fail_on_recompile_limit_hit`` turns that into dynamo's own error naming the
-    frame, and it is set only while this forward runs, so models that were
+    limit, earlier, and it is set only while this forward runs, so models that were
     never parallelized keep dynamo's default. That needs a frame of ours that
     runs as Python even under the user's ``torch.compile(model)``:
     ``__call__`` is skipped by dynamo's frame evaluation (``skip_code``: its own
@@ -286,15 +228,9 @@ class ShadowForward:
         self.shadow = shadow
         self.eager = torch.compile(shadow, backend=backend, dynamic=False)
 
-    def expect(self, training: bool, kwargs: frozenset[str], used: frozenset[str]) -> None:
-        """The parameters graphs must compute with in a call like parallelize's example."""
-        self.expected = (training, kwargs, used)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():  # inlined into the user's traced code
             return self.shadow(*args, **kwargs)
-        seen: set[str] = set()
-        token = SUBSTITUTED.set(seen)
         cfg = torch._dynamo.config
         try:
             # Raised limits, for both routes (our eager compile and the user's
@@ -316,32 +252,7 @@ class ShadowForward:
                 "torch._dynamo.config.recompile_limit, or reduce the frames dynamo must "
                 "compile (graph breaks inside a loop over modules: TORCH_LOGS=recompiles)"
             ) from exc
-        finally:
-            SUBSTITUTED.reset(token)
-        self._check_compiled(seen, frozenset(kwargs))
         return out
-
-    def _check_compiled(self, seen: set[str], kwargs: frozenset[str]) -> None:
-        """Every parameter the example call used must have reached a compiled graph.
-
-        One that did not was read by code dynamo left to plain Python (a frame it
-        skipped, with everything it calls, e.g. after a graph break inside a loop
-        over modules): that code computed on the NaN placeholders. Checked for calls
-        like parallelize's example (train/eval mode and keyword names), whose
-        parameters are known; other calls may rightly use fewer.
-        """
-        training, example_kwargs, used = getattr(self, "expected", (None, None, frozenset()))
-        if (self.shadow.training, kwargs) != (training, example_kwargs):
-            return
-        missing = sorted(used - seen)
-        if missing:
-            raise UncompiledFrameError(
-                f"parameters {missing[:4]}{'...' if len(missing) > 4 else ''} of a parallelized "
-                "model were read outside the compiled graphs (dynamo left their frame to "
-                "Python, e.g. after a graph break inside a loop over modules): that part "
-                "computed on placeholders, not on this rank's shards. Remove the graph break "
-                "(TORCH_LOGS=graph_breaks shows where), or move it out of the loop"
-            )
 
     def _enter(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():

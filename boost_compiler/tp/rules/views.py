@@ -79,6 +79,23 @@ def dim_move(prop: Propagator, node: fx.Node) -> None:
     prop.set(node, S(k))
 
 
+@rule("view_as_complex", "view_as_real")
+def complex_view(prop: Propagator, node: fx.Node) -> None:
+    """The complex form of rotary embeddings (Meta's and torchtitan's Llama).
+
+    ``view_as_complex`` pairs the last dim (size 2) into one complex element and
+    ``view_as_real`` splits it back out: every other dim keeps its index and its
+    size, so a shard on one of them (the heads) stays a shard on the same dim, and
+    the complex multiply by a replicated ``freqs_cis`` between them is element-wise.
+    Only a shard of the size-2 pair itself is not local.
+    """
+    pl = prop.placement(node.args[0])
+    pair = len(shape_of(node.args[0])) - 1
+    if pl.blocks or (op_kind(node) == "view_as_complex" and pl.dim == pair):
+        return prop._fallback(node)
+    prop.set(node, S(pl.dim))
+
+
 @rule("expand")
 def expand(prop: Propagator, node: fx.Node) -> None:
     """``expand`` broadcasts size-1 dims and adds leading ones; a sharded dim keeps its size.
