@@ -29,7 +29,9 @@ from .ir.dump import GraphDumper
 from .options import BoostOptions
 from .passes import TP_REQUIRED, BoostPass, PassContext, run_pipeline
 from .passes.base import _digest
+from .tp.collectives import graph_collectives
 from .tp.placeholder import current_local, placeholder_record, shadow_param
+from .tp.plan import input_shapes
 
 log = get_logger(__name__)
 
@@ -77,6 +79,12 @@ def boost_backend(
         required=TP_REQUIRED if shards else (),
         on_stage=GraphDumper(opts.settings.get("dump_dir")),
     )  # fmt: skip
+    if shards:  # the model's plan lists every graph rewritten for it, and what it gathered
+        btp = ctx.notes.get("btp")
+        next(iter(records.values())).plan.record_graph(
+            "compile", input_shapes(example_inputs), list(getattr(btp, "fallbacks", [])),
+            len(graph_collectives(gm.graph)),
+        )  # fmt: skip
     counters["boost"]["graphs"] += 1
     counters["boost"]["bottlenecks"] += len(ctx.bottlenecks)
     log.info(

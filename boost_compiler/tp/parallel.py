@@ -34,7 +34,7 @@ from .closures import Rebinding, plan_rebinding, rebind
 from .collectives import graph_collectives, group_name_of
 from .placeholder import ShadowParam, make_placeholder
 from .placement import Placement, R
-from .plan import TPPlan
+from .plan import TPPlan, input_shapes
 from .shadow import ParallelState, ShadowForward, attach, is_shard, mark_shard, parallel_state
 
 log = get_logger(__name__)
@@ -173,8 +173,11 @@ def _plan(graphs: Sequence[CapturedGraph], group: TPGroup, opts: BoostOptions) -
         result = ctx.notes["btp"]
         plan.params.update(result.params)
         plan.bottlenecks += ctx.bottlenecks
-        plan.collectives += graph_collectives(g.gm.graph)
-        plan.fallbacks += result.fallbacks
+        collectives = graph_collectives(g.gm.graph)
+        plan.collectives += collectives
+        plan.record_graph(
+            "parallelize", input_shapes(g.example_inputs), result.fallbacks, len(collectives)
+        )
         plan.decisions += result.decisions
     return plan
 
@@ -222,7 +225,9 @@ def _shard_in_place(
         if prm.requires_grad:
             plan.trainable.add(fqn)
         local = nn.Parameter(local_shard(prm, placement, group), prm.requires_grad)
-        records[fqn] = ShadowParam(fqn, placement, group, owners[key][0], mark_shard(local, fqn))
+        records[fqn] = ShadowParam(
+            fqn, placement, group, owners[key][0], mark_shard(local, fqn), plan
+        )
         memo[key] = make_placeholder(records[fqn], local, prm.shape)  # the shadow's parameter
         params[key] = local
     shadow = copy.deepcopy(model, memo)

@@ -29,6 +29,7 @@ from ..errors import UncompiledFrameError
 if TYPE_CHECKING:
     from .parallel import TPGroup
     from .placement import Placement
+    from .plan import TPPlan
 
 # The one attribute the shadow contract puts on a placeholder (and on a model or a shard).
 ATTR = "_boost"
@@ -40,7 +41,8 @@ class ShadowParam:
 
     ``owner`` is the module of the model holding the shard, and the shard's name
     there; ``local`` is the shard ``parallelize`` made, used only while the owner
-    holds none (see :func:`current_local`).
+    holds none (see :func:`current_local`); ``plan`` is the model's plan, which
+    records every graph the backend rewrites for it.
     """
 
     fqn: str
@@ -48,6 +50,7 @@ class ShadowParam:
     group: TPGroup
     owner: tuple[nn.Module, str]
     local: nn.Parameter
+    plan: TPPlan
 
 
 class Placeholder(torch.Tensor):

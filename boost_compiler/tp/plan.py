@@ -1,17 +1,25 @@
 """The tensor-parallel plan: each parameter's placement, each collective's payload.
 
-Invariant: ``collectives`` is what :func:`~boost_compiler.tp.collectives.graph_collectives`
+Invariants: ``collectives`` is what :func:`~boost_compiler.tp.collectives.graph_collectives`
 reads off the captured graphs after the pipeline, graph after graph, in node order;
 nothing else writes it, so it lists what those graphs do and nothing they no longer do.
+``graphs`` holds one :class:`GraphRecord` for every graph the pipeline rewrote for this
+model, at ``parallelize`` and at every later compile (another shape, eval mode, the
+user's ``torch.compile``), written only by :meth:`TPPlan.record_graph`; ``fallbacks`` is
+every distinct gather those graphs fell back to, each naming the first graph it came from.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from rich.console import Group
 from rich.table import Table
+from torch import nn
 
 from ..analysis.bottlenecks import Bottleneck
 from .collectives import Collective
@@ -32,6 +40,28 @@ class RankMemory:
         return self.params + self.grads + self.adamw
 
 
+def input_shapes(inputs: Sequence[Any]) -> tuple[str, ...]:
+    """The shapes of a graph's tensor inputs that are not parameters (``"2x16"``...)."""
+    return tuple(
+        "x".join(map(str, t.shape)) for t in inputs
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """One graph the pipeline rewrote for the model: where it came from, what it gathered."""
+
+    index: int
+    origin: str  # "parallelize" (its capture), or "compile" (a graph dynamo compiled later)
+    inputs: tuple[str, ...]  # the shapes of its non-parameter tensor inputs, e.g. "2x16"
+    fallbacks: tuple[str, ...]
+    collectives: int
+
+    def __str__(self) -> str:
+        return f"graph {self.index} ({self.origin}, inputs {', '.join(self.inputs) or 'none'})"
+
+
 @dataclass
 class TPPlan:
     """What ``parallelize`` decided, printable with ``rich.print(plan)``."""
@@ -46,6 +76,19 @@ class TPPlan:
     decisions: list[str] = field(default_factory=list)  # e.g. how the LM head is split, and why
     param_itemsize: dict[str, int] = field(default_factory=dict)
     trainable: set[str] = field(default_factory=set)
+    graphs: list[GraphRecord] = field(default_factory=list)
+
+    def record_graph(
+        self, origin: str, inputs: tuple[str, ...], fallbacks: list[str], collectives: int
+    ) -> GraphRecord:
+        """Add a rewritten graph; its fallbacks join ``fallbacks`` once each, with the graph."""
+        record = GraphRecord(len(self.graphs), origin, inputs, tuple(fallbacks), collectives)
+        self.graphs.append(record)
+        known = {f.split(" [from graph ")[0] for f in self.fallbacks}
+        for msg in dict.fromkeys(fallbacks):
+            if msg not in known:
+                self.fallbacks.append(f"{msg} [from {record}]")
+        return record
 
     def rank_memory(self) -> RankMemory:
         """Per-rank parameter, gradient and AdamW bytes of this plan (a shard is 1/p)."""
