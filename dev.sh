@@ -29,11 +29,14 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
   echo "dev.sh: installing $TORCH_SPEC into $VENV" >&2
   pip_quiet "$TORCH_SPEC"
 fi
-# Reinstall the package only when its metadata changed (editable install).
+# Every extra the test suite uses: with BOOST_REQUIRE_EXTRAS=1 (below) a missing one
+# fails its tests instead of skipping them (tests/extras.py).
+EXTRAS="test,hf,train,bench,draw,tensorboard"
+# Reinstall the package only when its metadata or the extras changed (editable install).
 stamp="$VENV/.boost-installed"
-want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$( (cat pyproject.toml; echo "$EXTRAS") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  pip_quiet -e ".[test,hf,train,bench,draw]"
+  pip_quiet -e ".[$EXTRAS]"
   "$PY" -c 'import boost_compiler' && echo "$want" > "$stamp"
 fi
 
@@ -43,6 +46,6 @@ case "$cmd" in
   demo)
     "$PY" examples/demo.py "$@"
     OMP_NUM_THREADS=1 exec "$VENV/bin/torchrun" --standalone --nproc-per-node 2 examples/demo_tp.py ;;
-  test) exec "$PY" -m pytest -q "$@" ;;
+  test) BOOST_REQUIRE_EXTRAS=1 exec "$PY" -m pytest -q "$@" ;;
   *) echo "usage: bash dev.sh demo|test [args]" >&2; exit 2 ;;
 esac

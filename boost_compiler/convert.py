@@ -326,6 +326,9 @@ def to_low_rank(
     every projection inside each MLP). Converted: ``nn.Linear`` and Hugging Face's
     ``Conv1D``. Example::
 
+        import rich, torch, boost_compiler
+        from torch import nn
+
         model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
         report = boost_compiler.to_low_rank(model, method="svd", rank=16)
         rich.print(report)

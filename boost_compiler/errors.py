@@ -106,6 +106,11 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint's metadata names something that could run code when loaded."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint of the same model keys whose tensor shapes differ from the model's (names
+    the key, both shapes and the flag that likely changed: --rank, --rank-ratio, model size)."""
+
+
 class PipelineError(BoostError, ValueError):
     """A pipeline-parallel layout that cannot be built (layer split, mesh, micro-batches)."""
 
@@ -130,6 +135,36 @@ class HFFolderError(BoostError, ValueError):
     (names the file, the key or the module)."""
 
 
+class RemoteCodeError(HFFolderError):
+    """A Hugging Face folder whose ``config.json`` needs code from the folder or the Hub
+    (``auto_map``, or a ``model_type`` transformers does not define): boost never runs it."""
+
+
 class RankFailureError(BoostError, RuntimeError):
     """A collective failed because another rank exited, hung past ``--comm-timeout`` or closed
     its connection (names the lost rank when it is on this host); resume from a checkpoint."""
+
+
+class RunFolderError(BoostError, ValueError):
+    """The run's folder or files cannot be used as asked: ``--checkpoint-dir`` / ``--metrics``
+    not writable, a folder where a file goes (or the reverse), or a folder that holds another
+    run without ``--resume`` / ``--overwrite`` (names the path and the flag)."""
+
+
+class RunLockedError(RunFolderError):
+    """Another trainer holds the ``--checkpoint-dir`` folder's lock (names its host and pid)."""
+
+
+class NoUsableCheckpointError(CheckpointError):
+    """``--resume`` found step folders but none intact (lists each and why); nothing was
+    changed: ``--resume-or-start`` sets them aside and starts over."""
+
+
+class DivergenceError(BoostError, RuntimeError):
+    """Training diverged: a non-finite loss, gradient norm or parameter at a step (names the
+    step and what was non-finite); no checkpoint of it was saved."""
+
+
+class LauncherLostError(BoostError, RuntimeError):
+    """The launcher (torchrun) that started this rank is gone: the rank stops rather than
+    keep writing into the run folder unattended."""

@@ -28,7 +28,9 @@ replaces the listed modules by factor pairs of the recorded shapes (no SVD, no v
 on the meta device, as transformers builds) and lets it load the safetensors weights
 into them by name. Nothing in the folder is executed: the config is JSON, the weights
 safetensors (``use_safetensors=True`` refuses a pickled ``.bin``),
-``trust_remote_code=False``, ``local_files_only=True``.
+``trust_remote_code=False``, ``local_files_only=True``, and a ``config.json`` that
+would need code (``auto_map``, a ``model_type`` transformers lacks) is refused up
+front by :func:`refuse_remote_code`, which ``boost explain`` uses too.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 from torch import nn
 
 from .convert import LowRankLinear, _conv1d_type, _dims, low_rank_layout
-from .errors import BoostError, HFFolderError
+from .errors import BoostError, HFFolderError, RemoteCodeError
 
 __all__ = [
     "FORMAT",
@@ -53,6 +55,7 @@ __all__ = [
     "layout_record",
     "read_layout",
     "record_layout",
+    "refuse_remote_code",
     "write_folder",
 ]
 
@@ -71,6 +74,41 @@ def _transformers() -> Any:
             "Hugging Face models need the [hf] extra (pip install 'boost-compiler[hf]')"
         ) from err
     return transformers
+
+
+def refuse_remote_code(folder: str | Path) -> dict[str, Any]:
+    """``folder/config.json`` as a dict, once it is clear transformers needs no code from the
+    folder (or the Hub) to build it; else :class:`RemoteCodeError` naming the file and field.
+
+    Why before transformers sees it: with ``auto_map`` (or a ``model_type`` it does not
+    define) transformers imports the folder's Python files, and asks on a terminal whether
+    to, so a "y" runs them. ``trust_remote_code=False`` alone would quietly build the
+    built-in class under a config that says it wants another one.
+    """
+    tf = _transformers()
+    file = Path(folder) / "config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise HFFolderError(f"{file}: not readable as JSON ({type(err).__name__}: {err})") from err
+    if not isinstance(config, dict):
+        raise HFFolderError(f"{file}: must be a JSON object, not {type(config).__name__}")
+    if "auto_map" in config:
+        raise RemoteCodeError(
+            f"{file}: 'auto_map' ({json.dumps(config['auto_map'])[:80]}) asks transformers to run "
+            "Python code from the folder or the Hub, which boost never does "
+            "(trust_remote_code=False); use a config of a transformers architecture (its "
+            "model_type alone), without 'auto_map'"
+        )
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in tf.CONFIG_MAPPING:
+        raise RemoteCodeError(
+            f"{file}: 'model_type' {model_type!r} is not an architecture transformers "
+            f"{tf.__version__} defines, so building it would need code from elsewhere, which "
+            "boost never runs; use a config whose model_type transformers knows (llama, "
+            "gpt2, ...)"
+        )
+    return config
 
 
 def layout_record(model: nn.Module, method: str | None = None) -> dict[str, Any]:
@@ -231,6 +269,7 @@ def from_pretrained(path: str | Path, *, strict: bool = True, **kwargs: Any) -> 
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise HFFolderError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    refuse_remote_code(folder)
     clash = sorted(k for k, v in kwargs.items() if k in _FORCED and v != _FORCED[k])
     if clash:
         raise HFFolderError(f"from_pretrained fixes {', '.join(clash)}: loading runs no code "

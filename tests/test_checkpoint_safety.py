@@ -134,8 +134,9 @@ def test_a_run_without_output_folders_writes_nothing(
 
 
 def test_keep_and_a_changed_schedule(run: Path, tmp_path: Path) -> None:
-    """--keep 1 leaves the newest checkpoint only; --resume with another --steps or --lr
-    raises by name unless --allow-schedule-change."""
+    """--keep 1 leaves the newest checkpoint only; --resume with another --steps, --lr,
+    --warmup or --min-lr-ratio (each a part of the schedule the README names) raises by
+    name unless --allow-schedule-change."""
     root = tmp_path / "keep"
     train(_config(root, keep=1))
     assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_4"]
@@ -144,5 +145,9 @@ def test_keep_and_a_changed_schedule(run: Path, tmp_path: Path) -> None:
         train(_config(moved, resume=True, steps=6))
     with pytest.raises(TrainConfigError, match=r"--lr 0.01 \(saved: 0.003\)"):
         train(_config(moved, resume=True, lr=0.01))
+    with pytest.raises(TrainConfigError, match=r"--warmup 2 \(saved: 1\)"):
+        train(_config(moved, resume=True, warmup=2))
+    with pytest.raises(TrainConfigError, match=r"--min-lr-ratio 0.5 \(saved: 0.1\)"):
+        train(_config(moved, resume=True, min_lr_ratio=0.5))
     result = train(_config(moved, resume=True, steps=6, allow_schedule_change=True))
     assert result.start_step == 4 and result.final_step == 6

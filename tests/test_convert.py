@@ -21,6 +21,7 @@ from boost_compiler.convert import (
     to_low_rank,
 )
 from boost_compiler.tp.collectives import fake_process_group
+from tests.extras import need
 
 
 class Attn(nn.Module):
@@ -221,7 +222,7 @@ def test_bad_input_names_the_module() -> None:
 
 
 def _gpt2() -> nn.Module:
-    tf = pytest.importorskip("transformers")
+    tf = need("transformers")
     torch.manual_seed(0)
     cfg = tf.GPT2Config(
         n_embd=64, n_layer=2, n_head=4, vocab_size=96, n_positions=32, bos_token_id=0,
@@ -287,7 +288,7 @@ def test_gpt2_conv1d_svd_matches_transposed_weight() -> None:
 
 
 def test_llama_cola_detected_and_trains() -> None:
-    tf = pytest.importorskip("transformers")
+    tf = need("transformers")
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(
         hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,

@@ -328,7 +328,7 @@ def test_report_renders_in_headless_chromium(explained: Report, tmp_path: Path) 
     os.environ.get("BOOST_SLOW_TESTS") != "1",
     reason="the 40B meta-device explain takes about 50 s and 0.5 GB: set BOOST_SLOW_TESTS=1",
 )
-def test_40b_meta_under_two_minutes_and_five_megabytes(tmp_path: Path) -> None:
+def test_40b_meta_explains_into_five_megabytes(tmp_path: Path) -> None:
     code = (
         "import sys, time; from boost_compiler.explain import explain; "
         "from examples.factories import cola_llama_40b_meta; t = time.time(); "
@@ -341,7 +341,9 @@ def test_40b_meta_under_two_minutes_and_five_megabytes(tmp_path: Path) -> None:
                           text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     seconds, bottlenecks, errors = done.stdout.split("SECONDS", 1)[1].split(maxsplit=2)
-    assert float(seconds) < 120 and int(bottlenecks) == 48 * 7 and errors.strip() == "[]"
+    # the time is printed, not asserted: speed targets live in benchmarks/
+    print(f"40B meta explain: {float(seconds):.0f} s")
+    assert int(bottlenecks) == 48 * 7 and errors.strip() == "[]"
     assert (tmp_path / "report.html").stat().st_size < 5 * 2**20
 
 

@@ -20,11 +20,13 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("hypothesis")
+from tests.extras import need
+
+need("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 from tests.fuzz.grammar import programs  # noqa: E402
-from tests.fuzz.world import EXACT, NAMED, WRONG, World  # noqa: E402
+from tests.fuzz.world import EXACT, INVALID, NAMED, WRONG, World  # noqa: E402
 
 # Sized for about 60-90 s on the 2-core CI machine (programs take 0.5-4 s each).
 N_EAGER = 40
@@ -55,11 +57,29 @@ def _explain(spec: dict[str, Any], res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# What a run must show besides "nothing wrong" (a build that refused every program would
+# pass that): at least this share of exact programs (measured: see below), and only the
+# refusals the grammar is built to provoke.
+MIN_EXACT_SHARE = 0.6
+KNOWN_REFUSALS = {"ShardingError", "UncompiledFrameError", "MutationError", "CaptureError"}
+
+
 @settings(max_examples=N_EAGER, **SETTINGS)
 @given(spec=programs())
-def test_fuzz_eager(world: World, spec: dict[str, Any]) -> None:
+def _fuzz_eager(world: World, seen: list[dict[str, Any]], spec: dict[str, Any]) -> None:
     res = world.run(spec, "eager")
+    seen.append(res)
     assert res["outcome"] != WRONG, _explain(spec, res)
+
+
+def test_fuzz_eager(world: World) -> None:
+    seen: list[dict[str, Any]] = []
+    _fuzz_eager(world, seen)
+    counts = {o: sum(r["outcome"] == o for r in seen) for o in (EXACT, NAMED, INVALID)}
+    print("fuzz eager outcomes:", counts)
+    assert counts[EXACT] >= MIN_EXACT_SHARE * len(seen), counts
+    refused = {r["error"].split(":")[0] for r in seen if r["outcome"] == NAMED}
+    assert refused <= KNOWN_REFUSALS, refused
 
 
 @settings(max_examples=N_COMPILE_EAGER, **SETTINGS)

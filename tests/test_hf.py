@@ -30,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.extras import need
 from tests.tp_harness import RTOL, ranks, result_of, run_world
 
-pytest.importorskip("transformers")
+need("transformers")
 
 HF = "compare_training_hf"
 CHECKS: dict[str, tuple[str, tuple]] = {

@@ -33,8 +33,10 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+from tests.extras import need
+
+need("transformers")
+need("safetensors")
 
 import transformers as tf  # noqa: E402
 

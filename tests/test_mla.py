@@ -29,10 +29,11 @@ import boost_compiler
 from boost_compiler import costmodel as cm
 from boost_compiler.errors import ShardingError
 from boost_compiler.tp.collectives import fake_process_group
+from tests.extras import need
 from tests.tp_harness import RTOL, ops_run, run_world
 from tests.zoo_checks import LAYERS, VOCAB, build
 
-pytest.importorskip("transformers")
+need("transformers")
 
 B, S = 2, 16
 # The zoo's tiny DeepSeek-V3: d 64, 4 heads, q_lora_rank 32, kv_lora_rank 16, rope 8.

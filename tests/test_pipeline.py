@@ -22,6 +22,7 @@ import pytest
 from boost_compiler.costmodel import pipeline_boundary_bytes
 from boost_compiler.errors import PipelineError
 from boost_compiler.train.pipeline import split_layers
+from tests.extras import REQUIRED, need
 from tests.tp_harness import RTOL, result_of, run_world
 
 FN = "tests.pipeline_checks:pipelined_step"
@@ -30,8 +31,9 @@ FULL_REASON = "dp > 1 layouts start 4-8 processes on 2 cores; BOOST_FULL_TESTS=1
 D_MODEL = 64  # the tiny preset's hidden size
 
 
-# The transformers checks need the [hf] extra; without it the CoLA ones still run.
-HAS_HF = importlib.util.find_spec("transformers") is not None
+# The transformers checks need the [hf] extra; without it the CoLA ones still run (but
+# where the set-up installed it, tests.extras.REQUIRED, they run and fail on a broken one).
+HAS_HF = REQUIRED or importlib.util.find_spec("transformers") is not None
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +250,7 @@ def test_split_layers() -> None:
 def test_hf_stages_chain_to_the_whole_model() -> None:
     """In one process: the 3 stages of a 6-layer (to_low_rank cola) Llama, run one after the
     other, give the whole model's loss and gradients, under the whole model's names."""
-    pytest.importorskip("transformers")
+    need("transformers")
     import copy
 
     import torch
@@ -278,7 +280,7 @@ def test_hf_stages_chain_to_the_whole_model() -> None:
 
 def test_hf_stages_refuse_other_layouts() -> None:
     """Families whose layer loop is not Llama's, and a head tied to the embedding."""
-    pytest.importorskip("transformers")
+    need("transformers")
     from boost_compiler.train.pipeline_hf import HFLlamaStage, hf_dims
     from tests.models import hf_decoder
 

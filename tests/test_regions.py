@@ -43,7 +43,7 @@ def test_meta_device_model_materialised_from_a_full_state_dict_trains_exactly(tw
     res = two["meta"]
     assert "error" not in res, res.get("error")
     assert res["all_meta"], res  # parallelize allocated nothing
-    assert res["local_bytes"] == res["expected_bytes"], res  # 1/p of the sharded weights
+    assert res["local_bytes"] == res["expected_bytes"], res  # 1/p of the model's bytes
     assert res["loss"] <= RTOL and res["grad"] <= RTOL, res
 
 

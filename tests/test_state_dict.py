@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from boost_compiler.tp.state_dict import StateDictError, gather_state_dict, load_state_dict
+from tests.extras import need
 
 RTOL = 1e-5
 WORLD = 2
@@ -192,7 +193,7 @@ def test_gather_roundtrip(world: list[dict[str, Any]], variant: str) -> None:
 
 @pytest.mark.parametrize("variant", ["untied", "tied"])
 def test_safetensors_file(world: list[dict[str, Any]], variant: str) -> None:
-    pytest.importorskip("safetensors")
+    need("safetensors")
     assert world[0][variant]["file_err_safetensors"] <= RTOL
 
 

@@ -36,9 +36,10 @@ from boost_compiler.train import TrainConfig, latest, loop, read_metrics, train
 from boost_compiler.train import checkpoint as ckpt
 from boost_compiler.train.data import open_data
 from boost_compiler.train.loop import build_model
+from tests.extras import need
 
-pytest.importorskip("datasets")
-tokenizers = pytest.importorskip("tokenizers")
+need("datasets")
+tokenizers = need("tokenizers")
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, BATCH, SEQ, EVERY = 8, 4, 32, 2
@@ -394,7 +395,7 @@ def test_vocab_size_from_the_tokenizer_or_a_named_error(corpus: dict[str, Any]) 
 
 def test_a_transformers_tokenizer_folder(corpus: dict[str, Any], tmp_path: Path) -> None:
     """--tokenizer DIR: AutoTokenizer (local files only), its eos_token, the same ids."""
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     from boost_compiler.train.tokenizer import load_tokenizer
 
     fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(corpus["tok"]), eos_token="</s>")

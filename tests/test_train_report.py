@@ -7,7 +7,6 @@ Single process and eager (``compile=False``); TensorBoard through a fake
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -23,6 +22,7 @@ from boost_compiler.errors import TrainConfigError
 from boost_compiler.models import cola_llama as cola
 from boost_compiler.train import loop, mfu, report
 from boost_compiler.train.config import TrainConfig, add_arguments, from_args
+from tests.extras import need
 
 RUN = {"steps": 2, "batch": 2, "seq": 16, "warmup": 1, "compile": False, "progress": False,
        "log_every": 100}  # fmt: skip
@@ -208,7 +208,7 @@ def test_tensorboard_receives_the_scalars_under_the_run_folder(
     (writer,) = _FakeWriter.made
     assert writer.log_dir == run / "tensorboard" and writer.purge_step == 0 and writer.closed
     tags = {tag for tag, _, _ in writer.scalars}
-    assert {"train/loss", "train/lr", "train/tokens_per_s", "train/mfu"} <= tags
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu"} <= tags
     assert sorted(s for tag, _, s in writer.scalars if tag == "train/loss") == [0, 1]
     # Nothing outside the run folder: the working directory and tmp_path hold only it.
     assert not _files(cwd)
@@ -226,16 +226,26 @@ def test_tensorboard_receives_the_scalars_under_the_run_folder(
     assert "train/mfu" not in {tag for tag, _, _ in resumed.scalars}
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("tensorboard") is None, reason="tensorboard extra not installed"
-)
 def test_real_tensorboard_writes_event_files(tmp_path: Path) -> None:
+    """The real SummaryWriter (the tensorboard extra, installed by dev.sh), read back."""
+    need("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     cfg = TrainConfig(checkpoint_dir=str(tmp_path / "run"), tensorboard=True)
     board = report.open_tensorboard(cfg, enabled=True)
     assert board is not None
-    board.add({"step": 0, "loss": 1.0, "lr": 0.1, "tokens_per_s": 10.0, "mfu": 0.5})
+    record = {"step": 3, "loss": 1.25, "lr": 0.1, "grad_norm": 0.75, "tokens_per_s": 10.0,
+              "mfu": 0.5}  # fmt: skip
+    board.add(record)
     board.close()
-    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    (events,) = (tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events.parent))
+    acc.Reload()
+    for key, tag in report.STEP_SCALARS.items():
+        (scalar,) = acc.Scalars(tag)
+        assert (scalar.step, scalar.value) == (3, pytest.approx(record[key])), tag
+    assert set(report.STEP_SCALARS.values()) == {"train/loss", "train/lr", "train/grad_norm",
+                                                 "train/tokens_per_s", "train/mfu"}  # fmt: skip
 
 
 def test_missing_tensorboard_names_the_extra(

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.extras import need
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 ALL_SYSTEMS = ("boost", "dtensor-lowrank", "dtensor-dense", "eager", "inductor")
@@ -292,7 +294,7 @@ def test_explain_resolves_presets_factories_and_hf_folders(
         resolve(str(tmp_path))
     with pytest.raises(BoostError, match="must look like"):
         resolve("no_colon_here")
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     cfg = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,

@@ -3,8 +3,9 @@
 ``run_world(world, checks, slow)`` spawns ``world`` CPU processes once; each runs
 every named check (functions of this module taking ``(rank, world, mesh)``, or
 ``"package.module:function"``) and every rank returns its own results: the test
-gets rank 0's dict with all ranks' dicts under ``"ranks"`` (failures from any
-rank as ``"error"``), and asserts on each (:func:`ranks`). Checks whose key is in
+gets every key combined over all ranks (:func:`across_ranks`: the worst rank's
+error, values that must agree on every rank), all ranks' dicts under ``"ranks"``
+(:func:`ranks`), failures from any rank as ``"error"``. Checks whose key is in
 ``slow`` run only with ``BOOST_FULL_TESTS=1``; :func:`result_of` skips those and
 fails on a key the harness does not know.
 
@@ -41,7 +42,7 @@ SLOW_REASON = "a costly compiled variant; BOOST_FULL_TESTS=1 runs it"
 
 
 def result_of(results: dict[str, Any], key: str) -> dict[str, Any]:
-    """A check's result (rank 0's, all ranks' under ``"ranks"``), error-free.
+    """A check's result (every key combined over the ranks, each rank's under ``"ranks"``), error-free.
 
     A key that ``run_world`` was not given fails (a renamed check must not stop
     running silently); only a check deselected as slow (``run_world``'s ``slow``)
@@ -640,7 +641,7 @@ def _check_fn(name: str) -> Any:
 def run_world(
     world: int, checks: list[tuple], slow: Iterable[str] = ()
 ) -> dict[str, dict[str, Any]]:
-    """Spawn ``world`` ranks once; per check, rank 0's result with every rank's in ``"ranks"``.
+    """Spawn ``world`` ranks once; per check, the ranks' results combined, each under ``"ranks"``.
 
     ``checks``: ``(key, function, args[, kwargs])``. Keys in ``slow`` (each must be
     a key of ``checks``) run only with ``BOOST_FULL_TESTS=1``; otherwise their
@@ -678,8 +679,61 @@ def run_world(
             why = f"after check {failed!r} failed" if failed else "(a rank died: see the log)"
             results[key] = {"error": f"not run: the ranks stopped {why}"}
         else:
-            results[key] = {**per_rank[0][key], "ranks": [res[key] for res in per_rank]}
+            each = [res[key] for res in per_rank]
+            results[key] = {**across_ranks(each), "ranks": each}
     return results
+
+
+class RanksDisagree:
+    """A value the ranks did not agree on: equal to nothing, false, shown with every rank's."""
+
+    def __init__(self, values: list[Any]) -> None:
+        self.values = values
+
+    def __eq__(self, other: object) -> bool:
+        return False
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return (
+            "RanksDisagree("
+            + ", ".join(f"rank {i}: {v!r}" for i, v in enumerate(self.values))
+            + ")"
+        )
+
+
+def _combine(values: list[Any]) -> Any:
+    """One value for every rank's: a float the worst (largest) of them, element-wise in lists
+    and dicts; anything else must be equal on every rank, or it is :class:`RanksDisagree`."""
+    first = values[0]
+    if all(v == first for v in values[1:]):
+        return first
+    if all(isinstance(v, float) for v in values):
+        return max(values)
+    if all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
+        return [_combine(list(col)) for col in zip(*values, strict=True)]
+    if all(isinstance(v, dict) for v in values) and len({tuple(v) for v in values}) == 1:
+        return {k: _combine([v[k] for v in values]) for k in first}
+    return RanksDisagree(values)
+
+
+def across_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """A check's result as the test reads it: every key combined over all ranks.
+
+    Why: a test that reads ``res["loss_err"]`` must see every rank's, not rank 0's
+    alone (a rank-dependent bug would stay green), and no test should have to
+    remember to loop over the ranks for it. Errors are the worst rank's; counts,
+    names and flags must agree on every rank (the ``"rank"`` key itself excepted).
+    """
+    keys = [k for k in per_rank[0] if all(k in r for r in per_rank)]
+    out = {k: _combine([r[k] for r in per_rank]) for k in keys if k != "rank"}
+    out.update({k: RanksDisagree([r.get(k) for r in per_rank])
+                for k in set().union(*per_rank) - set(keys)})  # fmt: skip
+    return out
 
 
 def _read_results(path: str) -> dict[str, Any]:

@@ -57,7 +57,9 @@ def _logging_lm() -> tuple[nn.Module, tuple[torch.Tensor]]:
     return LoggingLM(), (torch.randn(2, 8, 32),)
 
 
-def _exact_or_refused(model: nn.Module, ref: nn.Module, inputs: tuple, mesh: Any, world: int) -> dict:
+def _exact_or_refused(
+    model: nn.Module, ref: nn.Module, inputs: tuple, mesh: Any, world: int
+) -> dict:
     """``parallelize`` and 2 SGD steps against ``ref``; or the named error it raised."""
     import boost_compiler
 
@@ -115,7 +117,9 @@ class MinGPTBlock(nn.Module):
         super().__init__()
         self.ln = nn.LayerNorm(d)
         self.mlp = nn.ModuleDict(
-            dict(c_fc=nn.Linear(d, r), c_proj=nn.Linear(r, d), act=nn.GELU(), dropout=nn.Dropout(0.0))
+            dict(
+                c_fc=nn.Linear(d, r), c_proj=nn.Linear(r, d), act=nn.GELU(), dropout=nn.Dropout(0.0)
+            )
         )
         m = self.mlp
         self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))

@@ -67,16 +67,23 @@ def cola_labels(
         return ids.roll(step, dims=1)
 
     errs = _train(model, ref, lambda k: run(ids, labels=labels(k)), lambda k: ref(ids, labels=labels(k)), world)  # fmt: skip
-    return {**errs, "head": _head(model), "decisions": model.boost_plan.decisions,
-            "fallbacks": model.boost_plan.fallbacks, "wire": _wire(run, ids)}  # fmt: skip
+    return {**errs, "head": _head(model), "tokens": ids.numel(), "vocab": model.cfg.vocab_size,
+            "ids_shape": list(ids.shape), "decisions": model.boost_plan.decisions,
+            "fallbacks": model.boost_plan.fallbacks,
+            "wire": _wire(lambda: run(ids, labels=ids))}  # fmt: skip
 
 
-def _wire(run: Any, ids: torch.Tensor) -> list[tuple[str, list, str, bool]]:
-    """(collective, shape, dtype, backward?) of every gloo event of one more step."""
+def _wire(loss_fn: Any) -> list[tuple[str, list, str, bool]]:
+    """(collective, shape, dtype, backward?) of every gloo event of one more step.
+
+    gloo records a collective's *input*: an all-gather's shape is the local piece
+    (the test also checks the element count, which a gathered ``[.., V/p]`` shard
+    would give away), and a reduce-scatter shows as an all-reduce of the full input.
+    """
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        loss = run(ids, labels=ids)
+        loss = loss_fn()
         with record_function("check::backward"):
             loss.backward()
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
@@ -108,7 +115,9 @@ def gpt2_tied_logits(*, world: int, mesh: Any) -> dict[str, Any]:
 
     errs = _train(model, ref, lambda k: loss(model, k), lambda k: loss(ref, k), world)
     return {**errs, "head": str(model.boost_plan.params["wte.weight"]),
-            "decisions": model.boost_plan.decisions, "fallbacks": model.boost_plan.fallbacks}  # fmt: skip
+            "decisions": model.boost_plan.decisions, "fallbacks": model.boost_plan.fallbacks,
+            "wire": _wire(lambda: loss(model, 0)), "tokens": ids.numel(), "vocab": 512,
+            "ids_shape": list(ids.shape)}  # fmt: skip
 
 
 def user_train_step(
@@ -148,7 +157,9 @@ def user_train_step(
         lambda k: ref_step(ids, targets.roll(k, 1)), world,
     )  # fmt: skip
     return {**errs, "head": str(step.boost_plan.params["inner.lm_head.weight"]),
-            "decisions": step.boost_plan.decisions, "fallbacks": step.boost_plan.fallbacks}  # fmt: skip
+            "decisions": step.boost_plan.decisions, "fallbacks": step.boost_plan.fallbacks,
+            "wire": _wire(lambda: compiled(ids, targets)), "tokens": ids.numel(),
+            "vocab": vocab}  # fmt: skip
 
 
 def hf_padded(family: str, lowering: str | None = None, *, world: int, mesh: Any) -> dict[str, Any]:
@@ -173,5 +184,8 @@ def hf_padded(family: str, lowering: str | None = None, *, world: int, mesh: Any
     if lowering is not None:
         run = torch.compile(model, backend="boost", options={"lowering": lowering})
     errs = _compare(model, ref, ids, world, steps=3, labels_of=labels_of, lr=0.02, run=run)
+    step = run or model
     return {**errs, "head": _head(model), "decisions": model.boost_plan.decisions,
-            "fallbacks": model.boost_plan.fallbacks}  # fmt: skip
+            "fallbacks": model.boost_plan.fallbacks,
+            "wire": _wire(lambda: step(ids, labels=labels_of(0), use_cache=False).loss),
+            "tokens": ids.numel(), "vocab": model.config.vocab_size}  # fmt: skip

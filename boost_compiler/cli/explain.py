@@ -3,11 +3,16 @@
 ``MODEL`` is ``cola-llama:<preset>`` (the packaged CoLA-LLaMA), a folder with a Hugging Face
 ``config.json``, or the user's own ``module:function`` / ``file.py:function`` returning
 ``(model, example_inputs[, example_kwargs])``: :func:`boost_compiler.models.factories.resolve`.
+A folder whose ``config.json`` needs code from it (``auto_map``, or a ``model_type``
+transformers does not define) is refused before anything reads it
+(:func:`boost_compiler.hf_io.refuse_remote_code`, which
+``boost_compiler.from_pretrained`` applies too): boost never runs code from a model folder.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
@@ -36,6 +41,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if (Path(args.factory) / "config.json").is_file():
+        # Before transformers reads the folder: with ``auto_map`` it would ask on a terminal
+        # whether to run the folder's Python files, and run them on "y".
+        from ..hf_io import refuse_remote_code
+
+        refuse_remote_code(args.factory)
     model, inputs, kwargs = resolve(args.factory, rank_ratio=args.rank_ratio)
     report = explain(model, inputs, tp=args.tp, out_dir=args.out,
                      example_kwargs=kwargs or None,

@@ -182,7 +182,7 @@ def explain(
 
         import rich
         from boost_compiler.explain import explain
-        from examples.factories import cola_llama_tiny
+        from boost_compiler.models.factories import cola_llama_tiny
 
         model, inputs, kwargs = cola_llama_tiny()   # (model, example inputs, example kwargs)
         report = explain(model, inputs, tp=2, out_dir="boost-report", example_kwargs=kwargs)

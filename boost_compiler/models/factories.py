@@ -94,9 +94,14 @@ def hf_config(
             f"{folder} is a Hugging Face config folder: install the [hf] extra "
             "(pip install 'boost-compiler[hf]')"
         ) from err
-    cfg = transformers.AutoConfig.from_pretrained(str(folder))
+    from ..hf_io import refuse_remote_code
+
+    refuse_remote_code(Path(folder))  # a folder's own code never runs, whatever it asks
+    cfg = transformers.AutoConfig.from_pretrained(
+        str(folder), local_files_only=True, trust_remote_code=False
+    )
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
     if rank_ratio is not None:
         from ..convert import to_low_rank
 

@@ -105,11 +105,20 @@ def gather_state_dict(
     ``cpu_offload`` moves each gathered tensor to CPU as it arrives, so GPU memory never
     holds the whole model. Example (under ``torchrun --nproc-per-node 2``)::
 
-        boost_compiler.parallelize(model, mesh, example)
-        ...train...
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        import boost_compiler
+        from boost_compiler.models.cola_llama import build, example_inputs
+
+        dist.init_process_group("gloo")
+        model, whole = build("tiny"), build("tiny")  # one seed: the same weights
+        (ids,) = example_inputs(model.cfg)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        boost_compiler.parallelize(model, mesh, (ids,))
         sd = boost_compiler.gather_state_dict(model, rank0_only=True)
-        if dist.get_rank() == 0:
-            safetensors.torch.save_file(sd, "model.safetensors")
+        if dist.get_rank() == 0:  # the single-device model's names and shapes
+            whole.load_state_dict(sd, strict=True)
+            torch.save(sd, "model.pt")
     """
     plan, layout = _layout(parallel_model)
     group, size, rank = _group_of(plan)

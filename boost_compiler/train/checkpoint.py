@@ -31,10 +31,13 @@ at the sizes trained here the simple route wins.
 Atomicity: every rank writes into ``DIR/step_N.tmp``; after a barrier rank 0
 writes ``train_state.json`` (step, data position, config, key names) and renames
 the folder to ``DIR/step_N``. A checkpoint is complete iff its folder is named
-``step_N`` and holds DCP's ``.metadata`` and ``train_state.json``; :func:`latest`
-only considers complete ones, so a crash at any point of a save leaves the
-previous checkpoint as the latest. The folder must be shared by all ranks (as
-DCP's file writer requires anyway).
+``step_N`` and holds DCP's ``.metadata``, ``train_state.json`` and ``manifest.json``;
+:func:`latest` only considers complete ones, so a crash at any point of a save leaves
+the previous checkpoint as the latest. :func:`latest_valid` (what ``--resume`` uses)
+also says why it passed over each newer ``step_N``: a file deleted after the save, a
+payload that differs from the manifest, unsafe metadata, a malformed
+``train_state.json``. The folder must be shared by all ranks (as DCP's file writer
+requires anyway).
 """
 
 from __future__ import annotations
@@ -55,7 +58,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from .._logging import get_logger
-from ..errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    UnsafeCheckpointError,
+)
 from ..tp.placement import Placement, R
 from ..tp.shadow import parallel_state
 from . import integrity
@@ -64,6 +72,10 @@ log = get_logger(__name__)
 
 STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# What a finished save holds besides its payloads; the manifest is written last.
+_FINISHED = (integrity.METADATA, STATE_FILE, integrity.MANIFEST)
+# No run takes more steps than this: a larger "step" is a damaged or forged train_state.json.
+MAX_STEP = 10**12
 
 
 @dataclass
@@ -270,30 +282,49 @@ def prune(root: str | Path, keep: int) -> list[Path]:
 
 def is_complete(path: Path) -> bool:
     """All files of a finished save are there (whether they are intact is :func:`checked`)."""
-    names = (".metadata", STATE_FILE, integrity.MANIFEST)
-    return all((path / name).is_file() for name in names)
+    return not missing_files(path)
+
+
+def missing_files(path: Path) -> list[str]:
+    """Which of a finished save's own files (``.metadata``, ``train_state.json``,
+    ``manifest.json``) ``path`` lacks."""
+    return [name for name in _FINISHED if not (path / name).is_file()]
 
 
 def checked(path: Path) -> Any:
-    """The DCP metadata of ``path`` once every file matches its manifest (else an error
-    naming the file); unpickled with DCP's own classes only."""
+    """The DCP metadata of ``path`` once every file matches its manifest and its
+    ``train_state.json`` is well-formed (else an error naming the file and field);
+    unpickled with DCP's own classes only."""
     integrity.verify(path)
-    return integrity.read_metadata(path)
+    metadata = integrity.read_metadata(path)
+    read_state(path)
+    return metadata
 
 
 def latest_valid(root: str | Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint under ``root`` that passes :func:`checked`, and why each newer
-    one was skipped (corrupted, unsafe); ``(None, reasons)`` if none passes."""
+    one was skipped (incomplete, corrupted, unsafe); ``(None, reasons)`` if none passes.
+
+    A ``step_N`` folder lacking one of a finished save's files is reported, not ignored: a
+    save only renames ``step_N.tmp`` to ``step_N`` once they are all written, so such a
+    folder lost a file afterwards. ``step_N.tmp`` (a save cut short) is passed over quietly.
+    """
     root = Path(root)
     found = []
     if root.is_dir():
         for path in root.iterdir():
             m = _STEP_DIR.match(path.name)
-            if m and is_complete(path):
+            if m and path.is_dir():
                 found.append((int(m.group(1)), path))
     skipped: list[str] = []
     for _, path in sorted(found, reverse=True):
+        missing = missing_files(path)
         try:
+            if missing:
+                raise CheckpointCorruptError(
+                    f"{path}: incomplete: missing {', '.join(missing)} (deleted after the save "
+                    "finished; a save renames step_N.tmp to step_N only once all are written)"
+                )
             checked(path)
         except (CheckpointCorruptError, UnsafeCheckpointError) as exc:
             log.warning("skipping checkpoint %s: %s", path, exc)
@@ -363,19 +394,62 @@ def save(
 
 
 def read_state(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    """``path/train_state.json``, checked field by field (:class:`CheckpointCorruptError`
+    naming the file and the field): what resume and export index into."""
+    path = Path(path)
+    file = path / STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorruptError(
+            f"{file}: missing or not JSON ({type(exc).__name__}: {exc})"
+        ) from exc
+    _check_state(state, file, path)
+    return state
+
+
+def _check_state(state: Any, file: Path, folder: Path) -> None:
+    def bad(name: str, want: str) -> CheckpointCorruptError:
+        got = json.dumps(state.get(name))[:60] if name in state else "nothing"
+        return CheckpointCorruptError(f"{file}: '{name}' must be {want}; got {got}")
+
+    if not isinstance(state, dict):
+        raise CheckpointCorruptError(f"{file}: must be a JSON object, not {type(state).__name__}")
+    step = state.get("step")
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise bad("step", f"an integer in [0, {MAX_STEP}]")
+    m = _STEP_DIR.match(folder.name)
+    if m and int(m.group(1)) != step:
+        raise bad("step", f"{m.group(1)}, the step of its folder {folder.name}")
+    keys = state.get("keys")
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+        raise bad("keys", "a non-empty list of the model's state_dict key names")
+    aliases = state.get("aliases")
+    names = set(keys)
+    if not isinstance(aliases, dict) or not all(
+        isinstance(v, str) and v in names for v in aliases.values()
+    ):
+        raise bad("aliases", "an object of tied name -> one of 'keys'")
+    moments = state.get("moments", [])
+    if not isinstance(moments, list) or not all(isinstance(k, str) for k in moments):
+        raise bad("moments", "a list of optimizer state names")
+    for name in ("data", "config", "layout"):
+        if name in state and not isinstance(state[name], dict):
+            raise bad(name, "an object")
+    if "tokens_seen" in state and type(state["tokens_seen"]) is not int:
+        raise bad("tokens_seen", "an integer")
 
 
 def resolve(path: str | Path) -> Path:
     """A step folder, or a run folder (-> its newest complete checkpoint that is intact)."""
     path = Path(path)
-    if is_complete(path):
+    missing = missing_files(path)
+    if not missing:
         return path
-    if (path / ".metadata").is_file():
-        missing = [n for n in (STATE_FILE, integrity.MANIFEST) if not (path / n).is_file()]
+    if _STEP_DIR.match(path.name) or len(missing) < len(_FINISHED):
         raise CheckpointCorruptError(
             f"{path}: not a finished checkpoint ({', '.join(missing)} missing: the save was "
-            "interrupted, or the folder was not written by boost train)"
+            "interrupted, a file was deleted, or the folder was not written by boost train)"
         )
     found, skipped = latest_valid(path)
     if found is None:
@@ -384,13 +458,42 @@ def resolve(path: str | Path) -> Path:
     return found
 
 
+def _check_shapes(path: Path, metadata: Any, sd: dict[str, Any], state: dict[str, Any]) -> None:
+    """Every tensor ``dcp.load`` is asked for exists in the checkpoint with this shape (else
+    :class:`CheckpointMismatchError` naming the key, both shapes and the likely flag), so a
+    resume at another rank or width is not DCP's bare ``Size mismatch``."""
+    saved = metadata.state_dict_metadata
+    missing = sorted(k for k in sd if k not in saved)
+    if missing:
+        raise CheckpointMismatchError(
+            f"{path}: has no {missing[:6]} (a model or optimizer other than this run's)"
+        )
+    for key, want in sd.items():
+        have = getattr(saved[key], "size", None)
+        if have is None or not torch.is_tensor(want) or tuple(have) == tuple(want.shape):
+            continue
+        cfg = state.get("config", {})
+        was = ", ".join(f"--{k.replace('_', '-')} {cfg[k]}" for k in
+                        ("model", "rank", "rank_ratio", "rank_multiple")
+                        if cfg.get(k) is not None)  # fmt: skip
+        overrides = cfg.get("model_overrides")
+        was += f", model overrides {overrides}" if overrides else ""
+        raise CheckpointMismatchError(
+            f"{path}: '{key}' is {tuple(have)} in the checkpoint but {tuple(want.shape)} in "
+            "this run's model: the low-rank rank (--rank / --rank-ratio / --rank-multiple, or "
+            "a preset's [model] rank) or the model size (--model, [model] d_model, ...) "
+            f"differs from the saved run's ({was or 'config not recorded'}); "
+            "resume with the saved values, or start a new run without --resume"
+        )
+
+
 def load(path: str | Path, layout: Layout, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Load a checkpoint saved at any (pp, dp, tp) into this rank's model and optimizer.
 
     Returns the ``train_state.json`` dict (step, data position, config). A collective.
     """
     path = resolve(path)
-    checked(path)
+    metadata = checked(path)
     state = read_state(path)
     init_optimizer_state(opt)
     saved_keys = set(state["keys"])
@@ -407,6 +510,7 @@ def load(path: str | Path, layout: Layout, opt: torch.optim.Optimizer) -> dict[s
     sd.update({f"model.{k}": torch.empty_like(b) for k, b in layout.buffers.items()})
     sd["optim.step"] = torch.tensor(0.0)
     sd["rng.cpu"] = torch.get_rng_state()
+    _check_shapes(path, metadata, sd, state)
     dcp.load(sd, storage_reader=integrity.SafeReader(str(path)))
     for key, entry, live in items:
         _assign(live, _block_of(sd[key], entry, layout), key)
@@ -435,6 +539,13 @@ def single_device_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor],
     for key, md in meta.items():
         if key.startswith("model.") and isinstance(md, TensorStorageMetadata):
             sd[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    absent = sorted(k for k in state["keys"]
+                    if f"model.{state['aliases'].get(k, k)}" not in sd)  # fmt: skip
+    if absent:
+        raise CheckpointCorruptError(
+            f"{path / integrity.METADATA}: has no tensor for {absent[:6]}, which "
+            f"{STATE_FILE} lists under 'keys'"
+        )
     with warnings.catch_warnings():  # "no process group: loading in one process" is the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
         dcp.load(sd, storage_reader=integrity.SafeReader(str(path)), no_dist=True)

@@ -15,6 +15,11 @@ and :func:`lost_rank_errors` turns a failed collective into a
 :class:`~boost_compiler.errors.RankFailureError` that names the peers on this host
 whose process is gone. torchrun's elastic agent reports the failed rank too (and
 stops the other workers); this covers launches without it.
+
+The launcher itself can die too (torchrun SIGKILLed, its node agent OOM-killed): its
+workers are then re-parented and would train on, unwatched, writing into the run
+folder for as long as the run lasts. :class:`LauncherWatch` notices the parent change
+and stops the rank at the next step (or exits it after a grace period).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import contextlib
 import datetime
 import os
 import socket
+import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +38,19 @@ import torch
 import torch.distributed as dist
 
 from .._logging import get_logger
-from ..errors import BoostError, RankFailureError
+from ..errors import BoostError, LauncherLostError, RankFailureError
 
 log = get_logger(__name__)
 
-__all__ = ["Peers", "device_mesh", "group_over", "lost_rank_errors", "timeout_of"]
+__all__ = [
+    "LauncherWatch",
+    "Peers",
+    "device_mesh",
+    "group_over",
+    "lost_rank_errors",
+    "timeout_of",
+    "watch_launcher",
+]
 
 # Words of the errors gloo, NCCL and c10d raise when a peer is gone or late (gloo's
 # name their source file under gloo/; "pair closure" follows a gloo timeout). Specific
@@ -176,3 +191,68 @@ def lost_rank_errors(
         msg = f"rank {dist.get_rank()}: a collective failed: {why}. Stopping; {advice} ({cause})"
         log.error("%s", msg)
         raise RankFailureError(msg) from exc
+
+
+# Exit status of a rank that did not stop within the grace period after losing its launcher.
+LAUNCHER_LOST_EXIT = 3
+
+
+class LauncherWatch:
+    """A daemon thread that polls ``os.getppid()``: a change means the launcher is gone.
+
+    Polling, not ``prctl(PR_SET_PDEATHSIG)``: that signal follows the parent *thread* that
+    forked the rank, is Linux-only, and kills without letting a line of metrics finish.
+    Here the loop calls :meth:`check` before each step and leaves by
+    :class:`LauncherLostError`; a rank stuck elsewhere (a collective with a peer that
+    stopped first, a long save) is exited after ``grace_s``, the kernel then dropping
+    its run-folder lock.
+    """
+
+    def __init__(self, parent: int, poll_s: float = 1.0, grace_s: float = 30.0) -> None:
+        self.parent, self.poll_s, self.grace_s = parent, poll_s, grace_s
+        self._lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="boost-launcher-watch",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            if os.getppid() == self.parent:
+                continue
+            self._lost.set()
+            log.error("%s: stopping at the end of this step", self._message())
+            if not self._stop.wait(self.grace_s):
+                log.error("%s: the rank did not stop within %g s, exiting", self._message(),
+                          self.grace_s)  # fmt: skip
+                sys.stderr.flush()
+                os._exit(LAUNCHER_LOST_EXIT)
+            return
+
+    def _message(self) -> str:
+        rank = os.environ.get("RANK", "?")
+        return (f"rank {rank} (pid {os.getpid()}): its launcher (pid {self.parent}) is gone, "
+                "and a rank without one would train on unwatched")  # fmt: skip
+
+    def check(self) -> None:
+        """Raise :class:`LauncherLostError` once the launcher is gone."""
+        if self._lost.is_set():
+            raise LauncherLostError(
+                f"{self._message()}; stopped. Start the run again (the same command with "
+                "--resume continues from the last complete checkpoint)"
+            )
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def watch_launcher() -> LauncherWatch | None:
+    """A :class:`LauncherWatch` for a rank a launcher started (``RANK`` in the environment).
+
+    A lone process is not watched: ``nohup boost train &`` outliving its shell is intended.
+    Nor is a rank already adopted by init (pid 1): there is no launcher left to lose.
+    """
+    parent = os.getppid()
+    if "RANK" not in os.environ or parent == 1:
+        return None
+    return LauncherWatch(parent)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,11 @@ class TrainConfig:
     keep: int = 0  # keep the newest N checkpoints (0: all)
     allow_schedule_change: bool = False  # --resume with another lr schedule than the checkpoint's
     resume: bool = False
+    # --resume, or start over when the folder holds no intact checkpoint (the unusable
+    # step folders and the old metrics file are moved into DIR/corrupt/, never deleted).
+    resume_or_start: bool = False
+    overwrite: bool = False  # a fresh run into a used folder: delete its step_N and metrics
+    on_nonfinite: str = "stop"  # a NaN/inf loss or grad norm: "stop" (DivergenceError) or "skip"
     metrics: str | None = None  # JSON lines file (appended to on resume)
     plot: str | None = None  # loss-curve PNG; default: next to the metrics / checkpoints
     tensorboard: bool = False  # scalars under <run folder>/tensorboard (the tensorboard extra)
@@ -93,6 +99,8 @@ class TrainConfig:
 
     def validate(self, world: int | None = None) -> None:
         """Raise :class:`TrainConfigError` naming the first inconsistent value."""
+        self._validate_numbers()
+        self._validate_run_folder()
         positive = ("tp", "pp", "microbatches", "steps", "batch", "seq")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -106,6 +114,7 @@ class TrainConfig:
         if self.save_every < 0 or self.warmup < 0 or self.clip < 0 or self.keep < 0:
             raise TrainConfigError("save_every, warmup, clip and keep must be >= 0")
         if world is not None:
+            self._validate_world(world)
             dp = self.dp if self.dp is not None else world // (self.tp * self.pp)
             if dp * self.tp * self.pp != world:
                 raise TrainConfigError(
@@ -131,9 +140,57 @@ class TrainConfig:
             raise TrainConfigError("--pp > 1 runs eagerly for now: add --no-compile")
         if self.comm_timeout <= 0:
             raise TrainConfigError(f"comm_timeout must be positive, got {self.comm_timeout}")
-        if (self.resume or self.save_every) and not self.checkpoint_dir:
-            raise TrainConfigError("--resume and --save-every need --checkpoint-dir")
+        if (self.resume or self.resume_or_start or self.save_every) and not self.checkpoint_dir:
+            raise TrainConfigError(
+                "--resume, --resume-or-start and --save-every need --checkpoint-dir"
+            )
         self._validate_data()
+
+    def _validate_numbers(self) -> None:
+        """argparse's ``float`` takes ``nan`` and ``inf``: refuse them (and a negative lr) here,
+        before a step trains on them."""
+        floats = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "clip", "rank_ratio",
+                  "throttle", "comm_timeout", "eval_fraction", "peak_tflops")  # fmt: skip
+        for name in floats:
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise TrainConfigError(
+                    f"--{name.replace('_', '-')} must be a finite number, got {value}"
+                )
+        if self.lr < 0:
+            raise TrainConfigError(f"--lr must be >= 0, got {self.lr}")
+        if self.on_nonfinite not in NONFINITE_ACTIONS:
+            raise TrainConfigError(
+                f"--on-nonfinite must be one of {', '.join(NONFINITE_ACTIONS)}, "
+                f"not {self.on_nonfinite!r}"
+            )
+
+    def _validate_run_folder(self) -> None:
+        if self.overwrite and (self.resume or self.resume_or_start):
+            raise TrainConfigError(
+                "--overwrite deletes the folder's checkpoints, --resume continues from them: "
+                "give one of them"
+            )
+        if self.overwrite and not (self.checkpoint_dir or self.metrics):
+            raise TrainConfigError("--overwrite needs --checkpoint-dir or --metrics to clear")
+
+    def _validate_world(self, world: int) -> None:
+        """A layout wider than the processes there are: say so, and how to start them."""
+        need = self.tp * self.pp * (self.dp or 1)
+        if need <= world:
+            return
+        flags = " ".join(f"--{k} {v}" for k, v in (("pp", self.pp), ("dp", self.dp),
+                                                    ("tp", self.tp)) if v not in (None, 1))  # fmt: skip
+        if world == 1:
+            raise TrainConfigError(
+                f"{flags} needs {need} processes, but this is one process (world size 1: no "
+                f"launcher started it): run it under torchrun, e.g. torchrun --standalone "
+                f"--nproc-per-node {need} $(which boost) train {flags} ..."
+            )
+        raise TrainConfigError(
+            f"{flags} needs {need} processes, but the world size is {world}: start "
+            f"--nproc-per-node {need} processes (torchrun), or lower {flags}"
+        )
 
     def _validate_data(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -165,6 +222,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+NONFINITE_ACTIONS = ("stop", "skip")
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 _ALIASES = {"model_name": "model", "max_grad_norm": "clip", "no_compile": "compile"}
 
@@ -250,7 +308,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=s, help="global batches validated (4)")
     p.add_argument("--checkpoint-dir", default=s, help="DCP checkpoints go to DIR/step_N")
     p.add_argument("--save-every", type=int, default=s, help="checkpoint every K steps")
-    p.add_argument("--resume", action="store_true", default=s, help="continue from DIR's latest")
+    p.add_argument("--resume", action="store_true", default=s,
+                   help="continue from DIR's newest intact checkpoint; refuses a folder whose "
+                   "step folders are all unusable (an empty folder: starts at step 0)")  # fmt: skip
+    p.add_argument("--resume-or-start", action="store_true", default=s,
+                   help="--resume, or start over when no checkpoint is intact, moving the "
+                   "unusable step folders and the old metrics file into DIR/corrupt/")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", default=s,
+                   help="a fresh run into a used folder: delete its step_N folders and "
+                   "metrics first (without it such a rerun is refused)")  # fmt: skip
+    p.add_argument("--on-nonfinite", choices=NONFINITE_ACTIONS, default=s,
+                   help="a NaN/inf loss or gradient norm: stop with DivergenceError (stop, "
+                   "the default) or skip that optimizer step and continue (skip)")  # fmt: skip
     p.add_argument("--keep", type=int, default=s, help="keep the newest N checkpoints (all)")
     p.add_argument("--allow-schedule-change", action="store_true", default=s,
                    help="--resume with other --steps/--lr/--warmup/--min-lr-ratio than saved")  # fmt: skip

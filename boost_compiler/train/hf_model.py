@@ -41,6 +41,15 @@ STATE_KEY = "hf_model_config"  # train_state.json: the model's transformers conf
 # Training calls: HF's cache would return every layer's keys and values, which the
 # parallel model gathers to full width only for training to throw them away.
 EXAMPLE_KWARGS: dict[str, Any] = {"use_cache": False}
+# The config.json model_types boost train takes: the decoder-only causal LMs whose
+# parallelized training the zoo checks (tests/zoo_checks.py). transformers maps more
+# types to a "causal LM" class (BERT's masked encoder, Mamba's state space), which
+# would train as something else or fail deep inside transformers.
+SUPPORTED_MODEL_TYPES = (
+    "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
+    "gpt_neox", "granite", "cohere", "stablelm", "starcoder2", "gpt2", "mixtral", "qwen3_moe",
+    "deepseek_v3",
+)  # fmt: skip
 
 
 def is_hf(cfg: TrainConfig) -> bool:
@@ -79,6 +88,24 @@ def check(cfg: TrainConfig) -> None:
     if not (folder / "config.json").is_file():
         raise TrainConfigError(
             f"{flag} {folder}: no config.json there (a Hugging Face model folder)"
+        )
+    _check_model_type(folder, flag)
+    from ..hf_io import refuse_remote_code
+
+    refuse_remote_code(folder)  # auto_map: the folder's own code would be imported
+
+
+def _check_model_type(folder: Path, flag: str) -> None:
+    """Refuse, by name and before transformers is imported, a family not in the list."""
+    try:
+        kind = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise TrainConfigError(f"{flag} {folder}/config.json is not a JSON object: {err}") from err
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise TrainConfigError(
+            f"{flag} {folder}: model_type {kind!r} is not a decoder-only causal LM family "
+            f"boost train supports; supported model_type values: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
 
 

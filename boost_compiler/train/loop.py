@@ -17,6 +17,7 @@ float rounding: that is what the parity tests check.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -31,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
-from ..errors import VocabSizeError
+from ..errors import DivergenceError, VocabSizeError
 from ..tp.shadow import parallel_state
 from . import checkpoint as ckpt
-from . import comm, hf_model, mfu, report
+from . import comm, hf_model, mfu, report, run_folder
 from .clip import GradSlot, clip_grad_norm_
 from .config import TrainConfig, TrainConfigError
 from .data import DataSource, model_vocab, open_data, open_eval
@@ -241,7 +242,13 @@ def _all_reduce_grads(run: _Run) -> None:
 
 
 def train_step(run: _Run, step: int) -> tuple[float, float]:
-    """One optimizer step on batch ``step``; returns (dp-mean loss, grad norm before clip)."""
+    """One optimizer step on batch ``step``; returns (dp-mean loss, grad norm before clip).
+
+    A non-finite loss or norm takes no step: the gradients are dropped, the parameters
+    stay as they were, and the caller stops or skips (``--on-nonfinite``). Every rank sees
+    the same two numbers (the norm is global, the loss the dp mean, broadcast over pp),
+    so every rank decides alike.
+    """
     cfg = run.cfg
     lr = lr_at(step, cfg)
     for group in run.opt.param_groups:
@@ -260,13 +267,58 @@ def train_step(run: _Run, step: int) -> tuple[float, float]:
         dp_group=run.norm_group if run.pipe is not None else
         (run.mesh["dp"].get_group() if run.fsdp else None),
     )  # fmt: skip
-    run.opt.step()
-    run.opt.zero_grad(set_to_none=True)
     value = loss.detach().float().reshape(1)
     if run.dp > 1:
         dist.all_reduce(value, group=run.mesh["dp"].get_group())
         value /= run.dp
-    return value.item(), norm.item()
+    mean, total = value.item(), norm.item()
+    if math.isfinite(mean) and math.isfinite(total):
+        run.opt.step()
+    run.opt.zero_grad(set_to_none=True)
+    return mean, total
+
+
+def _nonfinite(loss: float, norm: float) -> list[str]:
+    return [name for name, v in (("loss", loss), ("gradient norm", norm)) if not math.isfinite(v)]
+
+
+def _on_nonfinite(run: _Run, step: int, loss: float, norm: float, bad: list[str],
+                  metrics: Metrics, last: Path | None) -> None:  # fmt: skip
+    """A non-finite step (no optimizer step was taken): stop by name, or log and go on."""
+    cfg = run.cfg
+    metrics.write({"event": "nonfinite", "step": step, "loss": loss, "grad_norm": norm,
+                   "nonfinite": bad, "lr": lr_at(step, cfg), "action": cfg.on_nonfinite})  # fmt: skip
+    what = f"non-finite {' and '.join(bad)} (loss {loss}, gradient norm {norm})"
+    if cfg.on_nonfinite == "skip":
+        log.warning("step %d: %s: optimizer step skipped (--on-nonfinite skip)", step, what)
+        return
+    raise DivergenceError(
+        f"step {step}: {what} at lr {lr_at(step, cfg):g}: training diverged. The optimizer "
+        f"step was not taken and nothing of it saved (last checkpoint: {last or 'none'}). "
+        "Lower --lr (or lengthen --warmup, or set --clip), resume from the last checkpoint, "
+        "or pass --on-nonfinite skip to skip such steps"
+    )
+
+
+def _check_finite_parameters(run: _Run, step: int, last: Path | None) -> None:
+    """Before a save: never write a non-finite model over the last finite checkpoint.
+
+    A finite gradient can still overflow a parameter (a huge lr times weight decay), which
+    the loss shows only at the next step. A collective over the world: every rank saves.
+    """
+    ok = all(bool(torch.isfinite(_local(e.param)).all()) for e in run.layout.entries)
+    flag = torch.tensor([1.0 if ok else 0.0], device=run.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if flag.item() < 1.0:
+        raise DivergenceError(
+            f"step {step}: the parameters hold NaN/inf (a finite gradient overflowed them): "
+            f"not saved over the last checkpoint ({last or 'none'}). Lower --lr or "
+            "--weight-decay, and resume from the last checkpoint"
+        )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's piece
 
 
 def _train_state(run: _Run, step: int) -> dict[str, Any]:
@@ -310,24 +362,64 @@ def _check_resume(run: _Run, state: dict[str, Any]) -> None:
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or continue, with ``cfg.resume``) a training run; a collective over the world."""
     created = init_distributed(cfg.comm_timeout)
+    watch = comm.watch_launcher()  # a rank whose torchrun died stops (train/comm.py)
     try:
         # A collective that fails because a peer died names that rank (train/comm.py).
         with comm.lost_rank_errors(cfg.comm_timeout):
-            return _train(cfg)
+            board = _check_flags(cfg)
+            claim = _claim_run_folder(cfg)
+            try:
+                return _train(cfg, claim, board, watch)
+            finally:
+                if claim.lock is not None:
+                    claim.lock.release()
     finally:
+        if watch is not None:
+            watch.stop()
         if created:
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig) -> TrainResult:
+def _check_flags(cfg: TrainConfig) -> report.TensorBoard | None:
+    """What the flags alone decide, before any file is made (setup validates again):
+    a bad value or a missing package stops every rank with nothing written."""
+    cfg.validate(dist.get_world_size())
+    hf_model.check(cfg)
+    return report.open_tensorboard(cfg, enabled=dist.get_rank() == 0)
+
+
+def _claim_run_folder(cfg: TrainConfig) -> run_folder.RunClaim:
+    """Rank 0 checks, locks and prepares the run folder; every rank gets its verdict.
+
+    One rank decides so that the ranks cannot disagree (rank 0 moving folders aside while
+    another lists them); its error is raised on every rank, none left waiting for it.
+    """
+    box: list[Any] = [None]
+    claim = None
+    if dist.get_rank() == 0:
+        try:
+            claim = run_folder.claim_run_folder(cfg)
+            box[0] = (claim.resume_from, claim.skipped)
+        except Exception as err:  # every rank raises it, below
+            box[0] = err
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return claim or run_folder.RunClaim(None, *box[0])
+
+
+def _train(
+    cfg: TrainConfig,
+    claim: run_folder.RunClaim,
+    board: report.TensorBoard | None,
+    watch: comm.LauncherWatch | None,
+) -> TrainResult:
     rank = dist.get_rank()
-    board = report.open_tensorboard(cfg, enabled=rank == 0)  # before setup: fail fast
     run = setup(cfg)
     meter = mfu.for_run(run)  # a collective over pp at --pp > 1
     result = TrainResult(model=run.model)
-    found, skipped = (None, [])
-    if cfg.resume and cfg.checkpoint_dir:
-        found, skipped = ckpt.latest_valid(cfg.checkpoint_dir)
+    found, skipped = claim.resume_from, claim.skipped
     if found is not None:
         state = ckpt.load(found, run.layout, run.opt)
         _check_resume(run, state)
@@ -335,8 +427,6 @@ def _train(cfg: TrainConfig) -> TrainResult:
         result.start_step = int(state["step"])
         log.info("resumed from %s at step %d (dp=%d, tp=%d)", found, result.start_step,
                  run.dp, run.tp)  # fmt: skip
-    elif cfg.resume:
-        log.info("--resume: no complete checkpoint in %s, starting at step 0", cfg.checkpoint_dir)
     metrics = Metrics(cfg.metrics, append=result.start_step > 0, enabled=rank == 0,
                       tensorboard=board)  # fmt: skip
     metrics.write({"event": "start", "step": result.start_step, "pp": cfg.pp, "dp": run.dp,
@@ -346,28 +436,26 @@ def _train(cfg: TrainConfig) -> TrainResult:
                    "dp_collective_bytes_per_step": run.dp_bytes,
                    "skipped_checkpoints": skipped, "data": run.corpus.source, **meter.record(),
                    **_data_info(run)})  # fmt: skip
-    tokens = cfg.batch * cfg.seq
     progress, task = progress_bar(rank == 0 and cfg.progress, cfg.steps, result.start_step)
     rates: list[float] = []
     end = cfg.stop_at or cfg.steps
-    with progress:
+    with progress, contextlib.closing(metrics):
         for step in range(result.start_step, end):
+            if watch is not None:
+                watch.check()
             t0 = time.perf_counter()
             loss, norm = train_step(run, step)
             dt = time.perf_counter() - t0
-            rate = tokens / dt
-            if step > result.start_step:  # the first step of a process compiles
-                rates.append(rate)
-            result.losses[step], result.grad_norms[step] = loss, norm
-            share = meter(rate)
-            metrics.write({"step": step, "loss": loss, "grad_norm": norm, "lr": lr_at(step, cfg),
-                           "tokens_per_s": rate, "mfu": share, "step_s": dt,
-                           "tokens_seen": (step + 1) * tokens,
-                           "tp_collective_bytes": run.tp_bytes,
-                           "dp_collective_bytes": run.dp_bytes})  # fmt: skip
-            progress.update(task, advance=1, description=report.step_description(loss, rate, share))
-            if rank == 0 and (step % max(1, cfg.log_every) == 0 or step == end - 1):
-                log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", step, loss, norm, rate)
+            if bad := _nonfinite(loss, norm):
+                _on_nonfinite(run, step, loss, norm, bad, metrics, result.checkpoint)
+                progress.update(task, advance=1)
+            else:  # the skipped steps are no point of the curve
+                rate = _record_step(run, step, loss, norm, dt, metrics, meter)
+                if step > result.start_step:  # the first step of a process compiles
+                    rates.append(rate)
+                result.losses[step], result.grad_norms[step] = loss, norm
+                progress.update(task, advance=1,
+                                description=report.step_description(loss, rate, meter(rate)))  # fmt: skip
             done = step + 1
             if run.held_out is not None and (
                 (cfg.eval_every and done % cfg.eval_every == 0) or done == end
@@ -376,6 +464,7 @@ def _train(cfg: TrainConfig) -> TrainResult:
             if cfg.checkpoint_dir and (
                 (cfg.save_every and done % cfg.save_every == 0) or done == end
             ):
+                _check_finite_parameters(run, done, result.checkpoint)
                 result.checkpoint = ckpt.save(
                     cfg.checkpoint_dir, done, run.layout, run.opt, _train_state(run, done)
                 )
@@ -383,7 +472,6 @@ def _train(cfg: TrainConfig) -> TrainResult:
                     ckpt.prune(cfg.checkpoint_dir, cfg.keep)
             if cfg.throttle:
                 time.sleep(cfg.throttle)
-    metrics.close()
     result.final_step = end
     result.tokens_per_s = sorted(rates)[len(rates) // 2] if rates else 0.0
     if rank == 0:
@@ -401,6 +489,22 @@ def _train(cfg: TrainConfig) -> TrainResult:
                 log.info("loss curve: %s", result.plot)
     dist.barrier()
     return result
+
+
+def _record_step(run: _Run, step: int, loss: float, norm: float, dt: float, metrics: Metrics,
+                 meter: Any) -> float:  # fmt: skip
+    """A finite step's metrics record and log line; its tokens/s."""
+    cfg = run.cfg
+    tokens = cfg.batch * cfg.seq
+    rate = tokens / dt
+    metrics.write({"step": step, "loss": loss, "grad_norm": norm, "lr": lr_at(step, cfg),
+                   "tokens_per_s": rate, "mfu": meter(rate), "step_s": dt,
+                   "tokens_seen": (step + 1) * tokens, "tp_collective_bytes": run.tp_bytes,
+                   "dp_collective_bytes": run.dp_bytes})  # fmt: skip
+    end = cfg.stop_at or cfg.steps
+    if dist.get_rank() == 0 and (step % max(1, cfg.log_every) == 0 or step == end - 1):
+        log.info("step %d loss %.4f grad_norm %.3f %.0f tok/s", step, loss, norm, rate)
+    return rate
 
 
 def _data_info(run: _Run) -> dict[str, Any]:

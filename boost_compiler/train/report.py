@@ -2,12 +2,14 @@
 loss-curve PNG, the bar.
 
 Apart from the loop (``train.loop``) so that the loop reads as the training algorithm;
-:func:`read_metrics` is also the reader for whoever looks at a run afterwards.
+:func:`read_metrics` is also the reader for whoever looks at a run afterwards. Metrics are
+strict JSON (:func:`json_safe`: a non-finite value is written as ``null``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +40,10 @@ class Metrics:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.path is not None:
+            # Python's json writes NaN / Infinity, which no strict JSON reader accepts.
+            line = json.dumps(json_safe(record), allow_nan=False)
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(line + "\n")
         if self.tensorboard is not None:
             self.tensorboard.add(record)
 
@@ -124,12 +128,26 @@ def open_tensorboard(cfg: TrainConfig, enabled: bool) -> TensorBoard | None:
     return TensorBoard(folder / "tensorboard", SummaryWriter) if enabled else None
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by ``None`` (JSON ``null``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def read_metrics(path: str | Path) -> dict[int, dict[str, Any]]:
-    """Step records of a metrics file; a step logged twice (a crash after it) keeps the last."""
+    """Step records of a metrics file; a step logged twice (a crash after it) keeps the last.
+
+    A non-finite step (``{"event": "nonfinite", "loss": null}``) is not a point of the curve.
+    """
     out: dict[int, dict[str, Any]] = {}
     for line in Path(path).read_text().splitlines():
         rec = json.loads(line)
-        if "loss" in rec:
+        if "loss" in rec and "event" not in rec:
             out[int(rec["step"])] = rec
     return dict(sorted(out.items()))
 

@@ -125,9 +125,7 @@ def _records(path: Path, opts: ReadOptions, skip: int) -> Iterator[str]:
     if builder == "text":
         kwargs["sample_by"] = TXT_UNITS[opts.txt_unit]
     elif builder == "parquet":
-        import pyarrow.parquet as pq
-
-        names = pq.read_schema(path).names
+        names = _parquet_columns(path)
         if field not in names:
             raise DataError(f"{path}: no column {field!r} (columns: {names}); name the text "
                             "column with --text-field")  # fmt: skip
@@ -144,7 +142,7 @@ def _records(path: Path, opts: ReadOptions, skip: int) -> Iterator[str]:
         except StopIteration:
             return
         except Exception as err:
-            raise DataError(f"{path}: cannot read record {index} as {builder}: {err}") from err
+            raise DataError(_unreadable(path, builder, index, err)) from err
         if index >= skip:
             text = row.get(field)
             if text is None:
@@ -158,6 +156,47 @@ def _records(path: Path, opts: ReadOptions, skip: int) -> Iterator[str]:
                                 f"{type(text).__name__}, not text")  # fmt: skip
             yield text
         index += 1
+
+
+def _parquet_columns(path: Path) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return list(pq.read_schema(path).names)
+    except (pa.ArrowException, OSError) as err:  # a file that is no parquet: ArrowInvalid
+        raise DataError(f"{path}: not a readable parquet file ({err}); replace or remove it "
+                        "from --data / --eval-data") from err  # fmt: skip
+
+
+def _unreadable(path: Path, builder: str, index: int, err: Exception) -> str:
+    """Why ``path`` stopped at record ``index``; for JSON lines, the line at fault.
+
+    ``datasets`` parses a block of lines at a time, so its error comes at the block's first
+    record, not at the line that failed: the line is found here, on this error path only.
+    """
+    if builder == "json":
+        found = _bad_json_line(path)
+        if found is not None:
+            line, why = found
+            return (f"{path}: line {line} is not a JSON object ({why}); fix or remove that "
+                    "line")  # fmt: skip
+    return f"{path}: cannot read record {index} as {builder}: {err}"
+
+
+def _bad_json_line(path: Path) -> tuple[int, str] | None:
+    """The first line (1-based) of a JSON-lines file that is neither blank nor a JSON object."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                value = json.loads(raw)
+            except ValueError as err:  # UnicodeDecodeError is a ValueError too
+                return number, str(err)
+            if not isinstance(value, dict):
+                return number, f"a JSON {type(value).__name__}, not an object"
+    return None
 
 
 @dataclass(frozen=True)

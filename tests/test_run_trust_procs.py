@@ -1,0 +1,122 @@
+"""Real processes on one run folder (issue 25, items 8 and 9): a second trainer is refused
+by the folder's lock, naming the holder; the workers of a SIGKILLed torchrun stop.
+
+Each trainer is the ``boost`` command itself, eager, the tiny model, throttled (``--throttle``)
+so that it is still running when the test acts. The 60 s bound is a hang guard, not a
+timing claim: a worker notices its launcher within about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+TRAIN = [str(BIN / "boost"), "train", "--no-compile", "--no-progress", "--batch", "2",
+         "--seq", "16", "--log-every", "1"]  # fmt: skip
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+HANG_GUARD_S = 60.0
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads process states from /proc"
+)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie waiting for its reaper does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _holder(ckdir: Path, procs: list[subprocess.Popen[bytes]], log: Path) -> dict[str, object]:
+    """The lock holder ``ckdir/.lock`` names, once training has started."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
+        try:
+            holder = json.loads((ckdir / ".lock").read_text())
+            if (ckdir.parent / "metrics.jsonl").exists() and '"loss"' in (
+                ckdir.parent / "metrics.jsonl"
+            ).read_text():
+                return holder
+        except (FileNotFoundError, ValueError):
+            pass
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"the trainer ended early:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no training step within {HANG_GUARD_S} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def reaper() -> Iterator[list[int]]:
+    """Pids the test started (directly or through torchrun): SIGKILLed if still running."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _start(cmd: list[str], log: Path, reaper: list[int]) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=ENV)
+    reaper.append(proc.pid)
+    return proc
+
+
+def _flags(root: Path, steps: int) -> list[str]:
+    return ["--steps", str(steps), "--checkpoint-dir", str(root / "ckpt"),
+            "--metrics", str(root / "metrics.jsonl")]  # fmt: skip
+
+
+def test_a_second_trainer_on_one_folder_is_refused_naming_the_holder(
+    tmp_path: Path, reaper: list[int]
+) -> None:
+    log = tmp_path / "first.log"
+    first = _start([*TRAIN, *_flags(tmp_path, 100000), "--throttle", "0.2"], log, reaper)
+    holder = _holder(tmp_path / "ckpt", [first], log)
+    assert holder["pid"] == first.pid
+    second = subprocess.run(
+        [*TRAIN, *_flags(tmp_path, 2), "--resume"], env=ENV, capture_output=True,
+        timeout=HANG_GUARD_S * 3,
+    )  # fmt: skip
+    err = " ".join(second.stderr.decode().split())
+    assert second.returncode == 2, err[-3000:]
+    assert "boost train: error:" in err and "is in use" in err, err[-3000:]
+    assert f"pid {first.pid} on host {holder['host']}" in err, err[-3000:]
+    assert first.poll() is None  # the first run was not disturbed
+    first.kill()
+    first.wait()
+
+
+def test_workers_of_a_killed_torchrun_stop(tmp_path: Path, reaper: list[int]) -> None:
+    log = tmp_path / "torchrun.log"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "1", *TRAIN,
+           *_flags(tmp_path, 100000), "--save-every", "5", "--throttle", "0.2"]  # fmt: skip
+    launcher = _start(cmd, log, reaper)
+    worker = int(_holder(tmp_path / "ckpt", [launcher], log)["pid"])  # type: ignore[call-overload]
+    reaper.append(worker)
+    assert worker != launcher.pid
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + HANG_GUARD_S
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(worker), f"worker {worker} still trains {HANG_GUARD_S} s after torchrun died"
+    text = log.read_text()
+    assert "launcher" in text and "is gone" in text, text[-3000:]
+    # It stopped writing: nothing changes in the folder any more, and the lock is free.
+    before = {p: p.stat().st_size for p in tmp_path.rglob("*") if p.is_file() and p != log}
+    time.sleep(1.0)
+    after = {p: p.stat().st_size for p in tmp_path.rglob("*") if p.is_file() and p != log}
+    assert after == before
+    assert not (tmp_path / "ckpt" / ".lock").exists()
