@@ -58,9 +58,10 @@ def _explain(spec: dict[str, Any], res: dict[str, Any]) -> str:
 
 
 # What a run must show besides "nothing wrong" (a build that refused every program would
-# pass that): at least this share of exact programs (measured: see below), and only the
-# refusals the grammar is built to provoke.
-MIN_EXACT_SHARE = 0.6
+# pass that): at least this share of exact programs (measured on the derandomized draws:
+# 38 exact, 1 named error, 1 invalid of 40), and only the refusals the grammar is built
+# to provoke.
+MIN_EXACT_SHARE = 0.85
 KNOWN_REFUSALS = {"ShardingError", "UncompiledFrameError", "MutationError", "CaptureError"}
 
 
