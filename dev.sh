@@ -46,6 +46,11 @@ case "$cmd" in
   demo)
     "$PY" examples/demo.py "$@"
     OMP_NUM_THREADS=1 exec "$VENV/bin/torchrun" --standalone --nproc-per-node 2 examples/demo_tp.py ;;
-  test) BOOST_REQUIRE_EXTRAS=1 exec "$PY" -m pytest -q "$@" ;;
+  test)
+    # A new test order every run (pytest-randomly), printed so that a failure replays:
+    # BOOST_TEST_SEED=N (or -p no:randomly for the file order).
+    seed=${BOOST_TEST_SEED:-$(( $(date +%s) % 100000 ))}
+    echo "dev.sh: test order seed $seed (replay: BOOST_TEST_SEED=$seed bash dev.sh test)"
+    BOOST_REQUIRE_EXTRAS=1 exec "$PY" -m pytest -q -p randomly --randomly-seed="$seed" "$@" ;;
   *) echo "usage: bash dev.sh demo|test [args]" >&2; exit 2 ;;
 esac

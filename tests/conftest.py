@@ -5,9 +5,9 @@ test, the process-wide state a test can change (dynamo, Inductor and functorch
 config, including ``fail_on_recompile_limit_hit`` that ``parallelize`` sets; the
 torch RNG; the default dtype; grad mode; the torch thread count; the handlers,
 level and propagation of the ``boost_compiler`` loggers) and puts it back after
-the test, so no test passes on what an earlier one left. pytest-randomly (test
-extra) is off by default, so CI keeps one stable order; check the claim with
-``pytest -p randomly`` (``--randomly-seed=N`` replays an order).
+the test, so no test passes on what an earlier one left. ``bash dev.sh test`` (CI)
+runs the suite in a new order each time with pytest-randomly and prints the seed
+(``BOOST_TEST_SEED=N`` replays it); a bare ``pytest`` keeps the file order.
 """
 
 from __future__ import annotations

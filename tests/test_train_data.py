@@ -300,6 +300,34 @@ def test_eval_loss_and_perplexity_every_k_steps(runs: dict[str, Any], corpus: di
         assert torch.equal(ids.flatten(), train_stream[s * BATCH * SEQ : (s + 1) * BATCH * SEQ]), s
 
 
+def test_eval_loss_is_the_held_out_loss_of_the_saved_parameters(
+    runs: dict[str, Any], corpus: dict[str, Any]
+) -> None:
+    """(4) The validation loss, recomputed here from the checkpoint's weights.
+
+    Independent of the trainer's evaluation code: the held-out tokens come from
+    :func:`_stream` (the tokenizer file and the documented split), the weights from the
+    checkpoint saved right after the step that was evaluated, the loss from an explicit
+    next-token cross-entropy over every held-out token. It fails for an evaluation on
+    the training split, for a sum of batch means, and without an eval at the last step.
+    """
+    from torch.nn import functional as F
+
+    evals = _evals(corpus["tmp"] / "full" / "metrics.jsonl")
+    assert STEPS - 1 in evals, sorted(evals)  # the last step is evaluated
+    rows = 2 * BATCH  # --eval-batches 2
+    held = _stream(corpus, fraction=0.1, split="eval")[: rows * SEQ].reshape(rows, SEQ)
+    model = build_model(TrainConfig(tokenizer=str(corpus["tok"])))
+    for step in (1, STEPS - 1):
+        sd, _ = ckpt.single_device_state_dict(corpus["tmp"] / "full" / "ckpt" / f"step_{step + 1}")
+        model.load_state_dict(sd, strict=True)
+        model.eval()
+        with torch.no_grad():
+            logits = model(held).double()
+        want = F.cross_entropy(logits[:, :-1].flatten(0, 1), held[:, 1:].flatten()).item()
+        assert evals[step]["eval_loss"] == pytest.approx(want, rel=1e-5), (step, want)
+
+
 def test_data_position_is_covered_by_the_manifest(runs: dict[str, Any], corpus: dict[str, Any],
                                                   tmp_path: Path) -> None:  # fmt: skip
     src = corpus["tmp"] / "full" / "ckpt" / "step_4"

@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -142,9 +143,18 @@ def _train(monkeypatch: pytest.MonkeyPatch, **kw: Any) -> tuple[list[dict[str, A
 def test_metrics_carry_tokens_per_s_and_mfu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    t0 = time.perf_counter()
     records, bar = _train(monkeypatch, metrics=str(tmp_path / "m.jsonl"), peak_tflops=1e-3)
+    wall = time.perf_counter() - t0
     start, steps = records[0], [r for r in records if "loss" in r]
     flops = start["flops_per_token"]
+    # tokens/s from what the test knows, not from the trainer's own figures: a step is
+    # batch x seq tokens (RUN: 2 x 16), and the steps fit inside the call's wall time
+    tokens = RUN["batch"] * RUN["seq"]
+    for rec in steps:
+        assert rec["tokens_per_s"] * rec["step_s"] == pytest.approx(tokens, rel=1e-9)
+        assert rec["tokens_seen"] == (rec["step"] + 1) * tokens
+    assert 0 < sum(r["step_s"] for r in steps) <= wall
     assert start["peak_tflops_per_device"] == 1e-3 and start["mfu_devices"] == 1
     assert flops == 6 * _hand_params(cola.CONFIGS["tiny"]) + 12 * 2 * 64 * 16
     assert [r["step"] for r in steps] == [0, 1]

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -61,21 +60,19 @@ from .._logging import get_logger
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
-    CheckpointMismatchError,
     UnsafeCheckpointError,
 )
 from ..tp.placement import Placement, R
 from ..tp.shadow import parallel_state
 from . import integrity
+from .train_state import STATE_FILE, STEP_DIR, check_shapes, read_state
 
 log = get_logger(__name__)
 
-STATE_FILE = "train_state.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = STEP_DIR
 # What a finished save holds besides its payloads; the manifest is written last.
 _FINISHED = (integrity.METADATA, STATE_FILE, integrity.MANIFEST)
 # No run takes more steps than this: a larger "step" is a damaged or forged train_state.json.
-MAX_STEP = 10**12
 
 
 @dataclass
@@ -393,53 +390,6 @@ def save(
     return final
 
 
-def read_state(path: str | Path) -> dict[str, Any]:
-    """``path/train_state.json``, checked field by field (:class:`CheckpointCorruptError`
-    naming the file and the field): what resume and export index into."""
-    path = Path(path)
-    file = path / STATE_FILE
-    try:
-        state = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointCorruptError(
-            f"{file}: missing or not JSON ({type(exc).__name__}: {exc})"
-        ) from exc
-    _check_state(state, file, path)
-    return state
-
-
-def _check_state(state: Any, file: Path, folder: Path) -> None:
-    def bad(name: str, want: str) -> CheckpointCorruptError:
-        got = json.dumps(state.get(name))[:60] if name in state else "nothing"
-        return CheckpointCorruptError(f"{file}: '{name}' must be {want}; got {got}")
-
-    if not isinstance(state, dict):
-        raise CheckpointCorruptError(f"{file}: must be a JSON object, not {type(state).__name__}")
-    step = state.get("step")
-    if type(step) is not int or not 0 <= step <= MAX_STEP:
-        raise bad("step", f"an integer in [0, {MAX_STEP}]")
-    m = _STEP_DIR.match(folder.name)
-    if m and int(m.group(1)) != step:
-        raise bad("step", f"{m.group(1)}, the step of its folder {folder.name}")
-    keys = state.get("keys")
-    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
-        raise bad("keys", "a non-empty list of the model's state_dict key names")
-    aliases = state.get("aliases")
-    names = set(keys)
-    if not isinstance(aliases, dict) or not all(
-        isinstance(v, str) and v in names for v in aliases.values()
-    ):
-        raise bad("aliases", "an object of tied name -> one of 'keys'")
-    moments = state.get("moments", [])
-    if not isinstance(moments, list) or not all(isinstance(k, str) for k in moments):
-        raise bad("moments", "a list of optimizer state names")
-    for name in ("data", "config", "layout"):
-        if name in state and not isinstance(state[name], dict):
-            raise bad(name, "an object")
-    if "tokens_seen" in state and type(state["tokens_seen"]) is not int:
-        raise bad("tokens_seen", "an integer")
-
-
 def resolve(path: str | Path) -> Path:
     """A step folder, or a run folder (-> its newest complete checkpoint that is intact)."""
     path = Path(path)
@@ -456,35 +406,6 @@ def resolve(path: str | Path) -> Path:
         why = f"; skipped: {'; '.join(skipped)}" if skipped else ""
         raise CheckpointError(f"no complete, intact checkpoint (step_N) under {path}{why}")
     return found
-
-
-def _check_shapes(path: Path, metadata: Any, sd: dict[str, Any], state: dict[str, Any]) -> None:
-    """Every tensor ``dcp.load`` is asked for exists in the checkpoint with this shape (else
-    :class:`CheckpointMismatchError` naming the key, both shapes and the likely flag), so a
-    resume at another rank or width is not DCP's bare ``Size mismatch``."""
-    saved = metadata.state_dict_metadata
-    missing = sorted(k for k in sd if k not in saved)
-    if missing:
-        raise CheckpointMismatchError(
-            f"{path}: has no {missing[:6]} (a model or optimizer other than this run's)"
-        )
-    for key, want in sd.items():
-        have = getattr(saved[key], "size", None)
-        if have is None or not torch.is_tensor(want) or tuple(have) == tuple(want.shape):
-            continue
-        cfg = state.get("config", {})
-        was = ", ".join(f"--{k.replace('_', '-')} {cfg[k]}" for k in
-                        ("model", "rank", "rank_ratio", "rank_multiple")
-                        if cfg.get(k) is not None)  # fmt: skip
-        overrides = cfg.get("model_overrides")
-        was += f", model overrides {overrides}" if overrides else ""
-        raise CheckpointMismatchError(
-            f"{path}: '{key}' is {tuple(have)} in the checkpoint but {tuple(want.shape)} in "
-            "this run's model: the low-rank rank (--rank / --rank-ratio / --rank-multiple, or "
-            "a preset's [model] rank) or the model size (--model, [model] d_model, ...) "
-            f"differs from the saved run's ({was or 'config not recorded'}); "
-            "resume with the saved values, or start a new run without --resume"
-        )
 
 
 def load(path: str | Path, layout: Layout, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -510,7 +431,7 @@ def load(path: str | Path, layout: Layout, opt: torch.optim.Optimizer) -> dict[s
     sd.update({f"model.{k}": torch.empty_like(b) for k, b in layout.buffers.items()})
     sd["optim.step"] = torch.tensor(0.0)
     sd["rng.cpu"] = torch.get_rng_state()
-    _check_shapes(path, metadata, sd, state)
+    check_shapes(path, metadata, sd, state)
     dcp.load(sd, storage_reader=integrity.SafeReader(str(path)))
     for key, entry, live in items:
         _assign(live, _block_of(sd[key], entry, layout), key)

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
-from ..errors import DivergenceError, VocabSizeError
+from ..errors import VocabSizeError
 from ..tp.shadow import parallel_state
 from . import checkpoint as ckpt
-from . import comm, hf_model, mfu, report, run_folder
+from . import comm, divergence, hf_model, mfu, report, run_folder
 from .clip import GradSlot, clip_grad_norm_
 from .config import TrainConfig, TrainConfigError
 from .data import DataSource, model_vocab, open_data, open_eval
@@ -278,49 +278,6 @@ def train_step(run: _Run, step: int) -> tuple[float, float]:
     return mean, total
 
 
-def _nonfinite(loss: float, norm: float) -> list[str]:
-    return [name for name, v in (("loss", loss), ("gradient norm", norm)) if not math.isfinite(v)]
-
-
-def _on_nonfinite(run: _Run, step: int, loss: float, norm: float, bad: list[str],
-                  metrics: Metrics, last: Path | None) -> None:  # fmt: skip
-    """A non-finite step (no optimizer step was taken): stop by name, or log and go on."""
-    cfg = run.cfg
-    metrics.write({"event": "nonfinite", "step": step, "loss": loss, "grad_norm": norm,
-                   "nonfinite": bad, "lr": lr_at(step, cfg), "action": cfg.on_nonfinite})  # fmt: skip
-    what = f"non-finite {' and '.join(bad)} (loss {loss}, gradient norm {norm})"
-    if cfg.on_nonfinite == "skip":
-        log.warning("step %d: %s: optimizer step skipped (--on-nonfinite skip)", step, what)
-        return
-    raise DivergenceError(
-        f"step {step}: {what} at lr {lr_at(step, cfg):g}: training diverged. The optimizer "
-        f"step was not taken and nothing of it saved (last checkpoint: {last or 'none'}). "
-        "Lower --lr (or lengthen --warmup, or set --clip), resume from the last checkpoint, "
-        "or pass --on-nonfinite skip to skip such steps"
-    )
-
-
-def _check_finite_parameters(run: _Run, step: int, last: Path | None) -> None:
-    """Before a save: never write a non-finite model over the last finite checkpoint.
-
-    A finite gradient can still overflow a parameter (a huge lr times weight decay), which
-    the loss shows only at the next step. A collective over the world: every rank saves.
-    """
-    ok = all(bool(torch.isfinite(_local(e.param)).all()) for e in run.layout.entries)
-    flag = torch.tensor([1.0 if ok else 0.0], device=run.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if flag.item() < 1.0:
-        raise DivergenceError(
-            f"step {step}: the parameters hold NaN/inf (a finite gradient overflowed them): "
-            f"not saved over the last checkpoint ({last or 'none'}). Lower --lr or "
-            "--weight-decay, and resume from the last checkpoint"
-        )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 DTensor: this rank's piece
-
-
 def _train_state(run: _Run, step: int) -> dict[str, Any]:
     cfg = run.cfg
     return {
@@ -446,8 +403,9 @@ def _train(
             t0 = time.perf_counter()
             loss, norm = train_step(run, step)
             dt = time.perf_counter() - t0
-            if bad := _nonfinite(loss, norm):
-                _on_nonfinite(run, step, loss, norm, bad, metrics, result.checkpoint)
+            if bad := divergence.nonfinite(loss, norm):
+                divergence.on_nonfinite(cfg, step, lr_at(step, cfg), loss, norm, bad, metrics,
+                                        result.checkpoint)  # fmt: skip
                 progress.update(task, advance=1)
             else:  # the skipped steps are no point of the curve
                 rate = _record_step(run, step, loss, norm, dt, metrics, meter)
@@ -464,7 +422,7 @@ def _train(
             if cfg.checkpoint_dir and (
                 (cfg.save_every and done % cfg.save_every == 0) or done == end
             ):
-                _check_finite_parameters(run, done, result.checkpoint)
+                divergence.check_finite_parameters(run, done, result.checkpoint)
                 result.checkpoint = ckpt.save(
                     cfg.checkpoint_dir, done, run.layout, run.opt, _train_state(run, done)
                 )
