@@ -40,6 +40,12 @@ from tests.tp_harness import FULL_TESTS, result_of, run_world
 ROOT = Path(__file__).resolve().parent.parent
 FN = "tests.pipeline_checks:resumed_trainer"
 RTOL = 1e-5
+# Parameters after AdamW steps: its normalised step m/sqrt(v) divides two rounding-level
+# quantities where a gradient element is near zero, so the pipeline's other summation
+# order (micro-batches, stages) shows up to ~2.6e-5 (measured) in a parameter while the
+# losses, gradients and moments agree within RTOL. A real error (a wrong shard, a missed
+# micro-batch) is orders of magnitude above this.
+PARAM_RTOL = 1e-4
 K = 2  # steps per leg of the layout chain
 KILL = {"steps": 10, "save_every": 2, "comm_timeout": 60}  # the killed run
 # A hang guard, not a speed target: every rank must be gone this long after the kill
@@ -127,7 +133,7 @@ def test_checkpoint_of_a_pipeline_holds_one_model(chain: dict[str, Any]) -> None
     # ... and its values are the single-device run's after the same K steps, every tensor
     want, _ = single_device_state_dict(chain["want_ckpt"] / f"step_{K}")
     errs = _tensor_errors(sd, want)
-    assert max(errs.values()) <= RTOL, max(errs.items(), key=lambda kv: kv[1])
+    assert max(errs.values()) <= PARAM_RTOL, max(errs.items(), key=lambda kv: kv[1])
 
 
 def test_resume_across_layouts_matches_one_process(chain: dict[str, Any]) -> None:
@@ -144,8 +150,12 @@ def test_resume_across_layouts_matches_one_process(chain: dict[str, Any]) -> Non
     # not the losses alone: every parameter and AdamW moment at the end of the chain
     end = _tensor_errors(_every_tensor(chain["ckpt"] / f"step_{3 * K}"),
                          _every_tensor(chain["want_ckpt"] / f"step_{3 * K}"))  # fmt: skip
-    assert any(k.startswith("optim.exp_avg_sq.") for k in end), sorted(end)[:8]
-    assert max(end.values()) <= RTOL, max(end.items(), key=lambda kv: kv[1])
+    moments = {k: e for k, e in end.items() if k.startswith("optim.exp_avg")}
+    params = {k: e for k, e in end.items() if k.startswith("model.")}
+    assert any(k.startswith("optim.exp_avg_sq.") for k in moments), sorted(end)[:8]
+    print("chain end, worst parameter / moment:", max(params.values()), max(moments.values()))
+    assert max(moments.values()) <= RTOL, max(moments.items(), key=lambda kv: kv[1])
+    assert max(params.values()) <= PARAM_RTOL, max(params.items(), key=lambda kv: kv[1])
 
 
 def _text_corpus(folder: Path) -> str:

@@ -34,19 +34,21 @@ def two() -> dict:
     return run_world(2, CHECKS, slow=SLOW)
 
 
-def _vocabulary_on_the_wire(wire: list, vocab: int, tokens: int, logits_out: bool) -> None:
+def _vocabulary_on_the_wire(wire: list, vocab: int, ids_shape: list, logits_out: bool) -> None:
     """No logits cross the wire, except one all-gather of the returned logits, forward.
 
     gloo records an all-gather's local input, so a gathered ``[b, s, V/p]`` shard shows
-    as ``V/p`` wide: both widths count, and so does any payload holding a whole
-    token-by-``V/p`` block (flattened logits keep neither width in their shape). A model
-    that returns its logits (HF beside the loss, GPT-2 without one) gathers them once at
-    the output, by design (the plan's decision); one that returns the loss only, never.
+    as ``V/p`` wide: both widths count, and so does a flat payload of exactly the token
+    count times ``V/p`` (logits flattened to 1-D keep neither width in their shape). A
+    model that returns its logits (HF beside the loss, GPT-2 without one) gathers them
+    once at the output, by design (the plan's decision); one that returns only the loss,
+    never.
     """
     assert wire, "no collective ran: the check would see nothing"
-    p = 2
+    b, s = ids_shape
+    blocks = {k * (vocab // 2) for k in (b * s, b * (s - 1))}  # all tokens, or shifted
     wide = [(name, back) for name, shape, _, back in wire
-            if vocab in shape or vocab // p in shape or math.prod(shape) >= tokens * vocab // p]  # fmt: skip
+            if {vocab, vocab // 2} & set(shape) or math.prod(shape) in blocks]  # fmt: skip
     assert wide == ([("gloo:all_gather", False)] if logits_out else []), (wide, wire)
 
 
@@ -62,7 +64,9 @@ def test_vocabulary_parallel_head_is_exact(two: dict, key: str) -> None:
     assert any(said in d for d in res["decisions"]), res
     assert res["fallbacks"] == [], res
     for r in ranks(res):
-        _vocabulary_on_the_wire(r["wire"], r["vocab"], r["tokens"], key.startswith(("hf/", "gpt2")))
+        _vocabulary_on_the_wire(
+            r["wire"], r["vocab"], r["ids_shape"], key.startswith(("hf/", "gpt2"))
+        )
         if "tied" in key:  # the lookup's reduce-scatter (gloo runs it as an all-reduce of
             # the d-major [d, b, s] partial) and its backward all-gather of [b, s, d/p]
             b, s = r["ids_shape"]  # both tied models have d = 64

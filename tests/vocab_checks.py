@@ -159,7 +159,7 @@ def user_train_step(
     return {**errs, "head": str(step.boost_plan.params["inner.lm_head.weight"]),
             "decisions": step.boost_plan.decisions, "fallbacks": step.boost_plan.fallbacks,
             "wire": _wire(lambda: compiled(ids, targets)), "tokens": ids.numel(),
-            "vocab": vocab}  # fmt: skip
+            "vocab": vocab, "ids_shape": list(ids.shape)}  # fmt: skip
 
 
 def hf_padded(family: str, lowering: str | None = None, *, world: int, mesh: Any) -> dict[str, Any]:
@@ -188,4 +188,5 @@ def hf_padded(family: str, lowering: str | None = None, *, world: int, mesh: Any
     return {**errs, "head": _head(model), "decisions": model.boost_plan.decisions,
             "fallbacks": model.boost_plan.fallbacks,
             "wire": _wire(lambda: step(ids, labels=labels_of(0), use_cache=False).loss),
-            "tokens": ids.numel(), "vocab": model.config.vocab_size}  # fmt: skip
+            "tokens": ids.numel(), "vocab": model.config.vocab_size,
+            "ids_shape": list(ids.shape)}  # fmt: skip
