@@ -249,3 +249,25 @@ def test_parameters_overflowed_by_a_finite_step_are_never_saved(tmp_path: Path) 
     with pytest.raises(DivergenceError, match=r"step 1: the parameters hold NaN/inf.*not saved"):
         train(cfg)
     assert not list((tmp_path / "ckpt").glob("step_*"))
+
+
+def test_a_wrapped_collective_failure_waits_for_the_dying_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch.distributed.pipelining re-raises a stage's gloo error as a new RuntimeError; a
+    SIGKILLed peer's sockets close a moment before /proc shows it exited. Both once made a
+    rank of test_killed_rank_is_named_and_resume_continues die with the raw error."""
+    from boost_compiler.train import comm
+
+    inner = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    outer = RuntimeError("Failed to run stage backward")
+    outer.__cause__ = inner
+    assert comm._is_comm_error(outer) and not comm._is_comm_error(RuntimeError("shape mismatch"))
+    peer = comm.Peer(2, "host", 1234)
+    answers = iter([[], [], [(peer, "exited (killed or crashed)")]])
+
+    class Slow:
+        def lost(self) -> list:
+            return next(answers)
+
+    assert comm._lost_after(Slow(), 5.0) == [(peer, "exited (killed or crashed)")]

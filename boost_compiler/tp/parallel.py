@@ -2,8 +2,9 @@
 
 How a model written for one device runs on shards: its parameters are replaced by
 real local shards (what the optimizer trains), and its forward by a dynamo-compiled
-*shadow*: a copy of the module tree whose parameters are stride-0 NaN placeholders
-with the GLOBAL shapes. Dynamo therefore traces the user's code exactly as written
+*shadow*: a copy of the module tree whose parameters are zero-memory placeholders
+with the GLOBAL shapes, which refuse any computation outside dynamo's tracing
+(:mod:`.placeholder`). Dynamo therefore traces the user's code exactly as written
 (``view(b, s, self.n_heads, ...)`` sees the global sizes), guards and recompiles for
 new shapes, kwargs and train/eval as for any model, and hands each graph to the boost
 backend, which rewrites it to local shapes with the collectives of BOOST and calls it
@@ -183,7 +184,7 @@ def _plan(graphs: Sequence[CapturedGraph], group: TPGroup, opts: BoostOptions) -
 
 
 def _refuse_parallelized(model: nn.Module) -> None:
-    """A second ``parallelize`` would shard the shards (and trace the NaN placeholders)."""
+    """A second ``parallelize`` would shard the shards (and trace the placeholders)."""
     if parallel_state(model) is not None:
         raise AlreadyParallelizedError(
             f"{type(model).__name__} is already parallelized (its plan is model.boost_plan); "

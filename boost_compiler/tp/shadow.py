@@ -2,8 +2,8 @@
 
 A parallelized model keeps its module tree, with this rank's shards as parameters (what
 the optimizer trains and ``state_dict`` returns); its forward runs the *shadow*, a copy of
-that tree taken by ``parallelize`` whose parameters are stride-0 NaN placeholders with the
-global shapes, compiled through the boost backend, which swaps each placeholder for its
+that tree taken by ``parallelize`` whose parameters are placeholders (:mod:`.placeholder`)
+with the global shapes, compiled through the boost backend, which swaps each placeholder for its
 owner's current shard at every call. Everything that ties the two together lives here,
 one dataclass per object under the one attribute ``_boost``: the model's
 :class:`ParallelState` (read with :func:`parallel_state`), each placeholder's

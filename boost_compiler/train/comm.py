@@ -30,6 +30,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -157,11 +158,29 @@ def _not_running(pid: int) -> str | None:
     return None
 
 
-def _is_comm_error(exc: BaseException) -> bool:
+def _is_comm_error(exc: BaseException | None, depth: int = 0) -> bool:
+    """A collective's failure, also when wrapped (torch.distributed.pipelining re-raises a
+    stage's error as a new ``RuntimeError`` from it)."""
+    if exc is None or depth > 8:
+        return False
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(w in text for w in _COMM_WORDS)
+    if isinstance(exc, RuntimeError) and any(w in text for w in _COMM_WORDS):
+        return True
+    return _is_comm_error(exc.__cause__ or exc.__context__, depth + 1)
+
+
+# A killed peer's sockets close while the kernel tears the process down, a moment before
+# /proc shows it exited: a rank whose collective failed that instant looks that long.
+_SETTLE_S = 3.0
+
+
+def _lost_after(peers: Peers, settle_s: float) -> list[tuple[Peer, str]]:
+    deadline = time.monotonic() + settle_s
+    while not (lost := peers.lost()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return lost
 
 
 @contextlib.contextmanager
@@ -177,8 +196,9 @@ def lost_rank_errors(
     except BoostError:
         raise
     except Exception as exc:
-        lost = peers.lost()
-        if not lost and not _is_comm_error(exc):
+        comm_error = _is_comm_error(exc)
+        lost = _lost_after(peers, _SETTLE_S) if comm_error else peers.lost()
+        if not lost and not comm_error:
             raise
         text = str(exc).strip()
         cause = text.splitlines()[0][:300] if text else type(exc).__name__
