@@ -17,23 +17,16 @@ import pytest
 from boost_compiler.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from boost_compiler.train import checkpoint as ckpt
 from boost_compiler.train import integrity
-from boost_compiler.train.config import TrainConfig, TrainConfigError
+from boost_compiler.train.config import TrainConfigError
 from boost_compiler.train.loop import read_metrics, train
+from tests.tiny_runs import tiny_config, trained_run
 
-
-def _config(root: Path, **kw: Any) -> TrainConfig:
-    base = dict(steps=4, batch=2, seq=16, warmup=1, save_every=2, compile=False, progress=False,
-                checkpoint_dir=str(root / "ckpt"), metrics=str(root / "metrics.jsonl"),
-                plot=str(root / "loss.png"), log_every=1)  # fmt: skip
-    return TrainConfig(**{**base, **kw})
+_config = tiny_config
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("run")
-    train(_config(root))
-    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_2", "step_4"]
-    return root
+    return trained_run(tmp_path_factory.mktemp("run"))
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:

@@ -32,23 +32,18 @@ from boost_compiler.train import checkpoint as ckpt
 from boost_compiler.train import integrity
 from boost_compiler.train.config import TrainConfig
 from boost_compiler.train.loop import train
+from tests.tiny_runs import tiny_config, trained_run
 
 DCP_METADATA = "torch.distributed.checkpoint.metadata"
 
 
 def _config(root: Path, **kw: Any) -> TrainConfig:
-    base = dict(steps=4, batch=2, seq=16, warmup=1, save_every=2, compile=False, progress=False,
-                checkpoint_dir=str(root / "ckpt"), metrics=str(root / "metrics.jsonl"),
-                plot=None, log_every=1)  # fmt: skip
-    return TrainConfig(**{**base, **kw})
+    return tiny_config(root, **{"plot": None, **kw})
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("run")
-    train(_config(root))
-    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_2", "step_4"]
-    return root
+    return trained_run(tmp_path_factory.mktemp("run"), plot=None)
 
 
 def _copy(run: Path, tmp_path: Path) -> tuple[Path, Path]:

@@ -27,14 +27,9 @@ from boost_compiler.train import checkpoint as ckpt
 from boost_compiler.train.config import TrainConfig, TrainConfigError, add_arguments, from_args
 from boost_compiler.train.loop import read_metrics, train
 from tests.extras import need
+from tests.tiny_runs import QUICK, tiny_config, trained_run
 
-QUICK = dict(batch=2, seq=16, warmup=1, compile=False, progress=False, log_every=1)
-
-
-def _config(root: Path, **kw: Any) -> TrainConfig:
-    base = dict(steps=4, save_every=2, checkpoint_dir=str(root / "ckpt"),
-                metrics=str(root / "metrics.jsonl"), plot=str(root / "loss.png"), **QUICK)  # fmt: skip
-    return TrainConfig(**{**base, **kw})
+_config = tiny_config
 
 
 def _cli(*flags: str) -> TrainConfig:
@@ -60,10 +55,7 @@ def _strict(line: str) -> Any:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("run")
-    train(_config(root))
-    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_2", "step_4"]
-    return root
+    return trained_run(tmp_path_factory.mktemp("run"))
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
