@@ -27,8 +27,9 @@ from .errors import ShardingError
 from .ir.capture import placeholder_names
 from .ir.dump import GraphDumper
 from .options import BoostOptions
-from .passes import TP_REQUIRED, BoostPass, PassContext, run_pipeline
+from .passes import TP_REQUIRED, BoostPass, PassContext
 from .passes.base import _digest
+from .passes.driver import run_pipeline
 from .tp.collectives import graph_collectives
 from .tp.placeholder import current_local, placeholder_record, shadow_param
 from .tp.plan import input_shapes

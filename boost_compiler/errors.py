@@ -50,6 +50,18 @@ class ClosureError(BoostError, TypeError):
     """A function stored on a module reaches the model's modules in a way the shadow cannot rebind."""
 
 
+class PlanMismatchError(BoostError, ValueError):
+    """A plan given to ``parallelize(..., plan=)`` does not fit the model or the mesh.
+
+    The message names every parameter at fault (missing, unknown, another shape, a
+    split its size cannot take) or the degree; nothing was modified.
+    """
+
+
+class PlanFileError(BoostError, ValueError):
+    """A saved plan file that is not one: unreadable JSON, another format or version."""
+
+
 class HookAfterParallelizeError(BoostError, RuntimeError):
     """A hook registered on an inner module of a parallelized model, which never runs.
 

@@ -126,7 +126,7 @@ def test_compile_in_turns_takes_every_barrier_when_the_compile_raises(
 
     from boost_compiler.backend import _in_turns
     from boost_compiler.tp.collectives import fake_process_group
-    from boost_compiler.tp.parallel import resolve_group
+    from boost_compiler.tp.groups import resolve_group
 
     class Restart(Exception):
         pass

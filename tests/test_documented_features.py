@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import boost_compiler
 from boost_compiler.errors import OptionTypeError, TrainConfigError
-from boost_compiler.train import TrainConfig, loop, train
+from boost_compiler.train import TrainConfig, loop, setup, train
 from boost_compiler.train.config import add_arguments, from_args
 from boost_compiler.train.data import open_data
 from tests.extras import need
@@ -426,13 +426,13 @@ def _shapes_match_preset(model: torch.nn.Module, name: str) -> None:
 
 def test_60m_preset_trains_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[torch.nn.Module] = []
-    real = loop.build_model
+    real = setup.build_model
 
     def build(cfg: TrainConfig) -> torch.nn.Module:
         built.append(real(cfg))
         return built[-1]
 
-    monkeypatch.setattr(loop, "build_model", build)
+    monkeypatch.setattr(setup, "build_model", build)
     result = train(_config("--model", "60m", "--steps", "1", "--batch", "1", "--seq", "16",
                            "--no-compile", "--no-progress"))  # fmt: skip
     (model,) = built

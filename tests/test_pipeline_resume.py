@@ -113,7 +113,7 @@ def _tensor_errors(got: dict[str, Any], want: dict[str, Any]) -> dict[str, float
 def test_checkpoint_of_a_pipeline_holds_one_model(chain: dict[str, Any]) -> None:
     """The (2,1,2) save: every stage's layers under global names, one key list, pp recorded."""
     from boost_compiler.train.checkpoint import checked, read_state, single_device_state_dict
-    from boost_compiler.train.loop import build_model
+    from boost_compiler.train.setup import build_model
 
     step = chain["ckpt"] / f"step_{K}"
     state = read_state(step)

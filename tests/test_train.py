@@ -38,7 +38,7 @@ from boost_compiler.train import (
     train,
 )
 from boost_compiler.train.config import add_arguments, from_args
-from boost_compiler.train.loop import build_model
+from boost_compiler.train.setup import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 10

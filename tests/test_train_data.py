@@ -32,17 +32,18 @@ from boost_compiler.errors import (
     TrainConfigError,
     VocabSizeError,
 )
-from boost_compiler.train import TrainConfig, latest, loop, read_metrics, train
+from boost_compiler.train import TrainConfig, latest, read_metrics, setup, train
 from boost_compiler.train import checkpoint as ckpt
 from boost_compiler.train.data import open_data
-from boost_compiler.train.loop import build_model
+from boost_compiler.train.setup import build_model
 from tests.extras import need
 
 need("datasets")
 tokenizers = need("tokenizers")
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, BATCH, SEQ, EVERY = 8, 4, 32, 2
+# EVERY does not divide STEPS: the last step's eval is the one --eval-every does not give
+STEPS, BATCH, SEQ, EVERY = 8, 4, 32, 3
 TIMEOUT = 600  # seconds per process: the CI cores are shared
 WORDS = ("the a cat dog bird sat ran flew on under over mat tree roof fast slow big small "
          "red blue and then").split()  # fmt: skip
@@ -202,13 +203,13 @@ def test_jsonl_batches_are_the_packed_stream(corpus: dict[str, Any], tmp_path: P
                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """(1) The CLI on data.jsonl + tokenizer.json: every batch is the packed stream, losses fall."""
     seen: dict[int, torch.Tensor] = {}
-    original = loop._Run.batch
+    original = setup.Run.batch
 
     def record(self: Any, step: int) -> torch.Tensor:
         seen[step] = original(self, step)
         return seen[step]
 
-    monkeypatch.setattr(loop._Run, "batch", record)
+    monkeypatch.setattr(setup.Run, "batch", record)
     metrics = tmp_path / "metrics.jsonl"
     argv = _flags(corpus, eval_fraction=None, eval_every=None, eval_batches=None, metrics=metrics)
     assert cli_main(["train", *argv]) == 0
@@ -272,8 +273,9 @@ def test_dp_ranks_see_disjoint_rows_whose_union_is_the_stream(runs: dict[str, An
     assert sorted(got) == [0, 1, 2, 3]
     assert max(abs(got[s] - want[s]) / want[s] for s in got) < 1e-4
     ev_want, ev_got = _evals(tmp / "full" / "metrics.jsonl"), _evals(tmp / "dp2" / "metrics.jsonl")
-    assert sorted(ev_got) == [1, 3]
-    for s in ev_got:
+    assert sorted(ev_got) == [EVERY - 1, 3]  # every EVERY steps, and the last (--stop-at 4)
+    assert EVERY - 1 in ev_want
+    for s in (EVERY - 1,):  # the full run evaluated that step too
         assert ev_got[s]["eval_loss"] == pytest.approx(ev_want[s]["eval_loss"], rel=1e-4)
     # Every rank holds the same global position: the step-4 checkpoints agree across dp.
     state = ckpt.read_state(tmp / "dp2" / "ckpt" / "step_4")["data"]
@@ -285,15 +287,16 @@ def test_dp_ranks_see_disjoint_rows_whose_union_is_the_stream(runs: dict[str, An
 
 def test_eval_loss_and_perplexity_every_k_steps(runs: dict[str, Any], corpus: dict[str, Any]
                                                 ) -> None:  # fmt: skip
-    """(4) An eval record every --eval-every steps; held-out documents are never trained on."""
+    """(4) An eval record every --eval-every steps and at the last; held-out documents are
+    never trained on."""
     tmp = corpus["tmp"]
     evals = _evals(tmp / "full" / "metrics.jsonl")
-    assert sorted(evals) == [s for s in range(STEPS) if (s + 1) % EVERY == 0]
+    assert sorted(evals) == [s for s in range(STEPS) if (s + 1) % EVERY == 0] + [STEPS - 1]
     for rec in evals.values():
         assert math.isfinite(rec["eval_loss"])
         assert rec["eval_ppl"] == pytest.approx(math.exp(rec["eval_loss"]), rel=1e-12)
         assert rec["eval_sequences"] == 2 * BATCH and rec["eval_tokens"] == 2 * BATCH * SEQ
-    assert evals[STEPS - 1]["eval_loss"] < evals[1]["eval_loss"]
+    assert evals[STEPS - 1]["eval_loss"] < evals[EVERY - 1]["eval_loss"]
     # The training batches are the stream of the documents not held out (1 in 10).
     train_stream = _stream(corpus, fraction=0.1)
     for s, ids in _batches(tmp / "full").items():
@@ -318,7 +321,7 @@ def test_eval_loss_is_the_held_out_loss_of_the_saved_parameters(
     rows = 2 * BATCH  # --eval-batches 2
     held = _stream(corpus, fraction=0.1, split="eval")[: rows * SEQ].reshape(rows, SEQ)
     model = build_model(TrainConfig(tokenizer=str(corpus["tok"])))
-    for step in (1, STEPS - 1):
+    for step in (5, STEPS - 1):  # checkpoints every 2 steps: step_6 and step_8
         sd, _ = ckpt.single_device_state_dict(corpus["tmp"] / "full" / "ckpt" / f"step_{step + 1}")
         model.load_state_dict(sd, strict=True)
         model.eval()

@@ -16,20 +16,20 @@ from pathlib import Path
 
 import torch
 
-from boost_compiler.train import loop
+from boost_compiler.train import setup
 
 
 def main(argv: list[str], out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rank = os.environ.get("RANK", "0")
-    original = loop._Run.batch
+    original = setup.Run.batch
 
-    def batch(self: loop._Run, step: int) -> torch.Tensor:
+    def batch(self: setup.Run, step: int) -> torch.Tensor:
         ids = original(self, step)
         torch.save(ids.cpu(), out / f"rank{rank}_step{step}.pt")
         return ids
 
-    loop._Run.batch = batch  # type: ignore[method-assign]
+    setup.Run.batch = batch  # type: ignore[method-assign]
     from examples.train import main as train_main
 
     return train_main(argv)

@@ -31,7 +31,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "(model, example_inputs, example_kwargs)",
     )  # fmt: skip
     p.add_argument("--tp", type=int, default=2, help="simulated tensor-parallel degree")
-    p.add_argument("--out", default="boost-report", help="output folder (report.html, drawings)")
+    p.add_argument(
+        "--out", default="boost-report", help="output folder (report.html, plan.json, drawings)"
+    )
     p.add_argument("--layer", default=None, help="the layer to draw, e.g. layers.3")
     p.add_argument("--off", action="append", default=[], metavar="PASS",
                    help="switch a pass off (repeatable), e.g. --off group_linears")  # fmt: skip
@@ -60,5 +62,6 @@ EXPLAIN = Command(
     _run,
     "Capture a model, find its bottlenecks, run every boost pass on a simulated "
     "tensor-parallel group and show what each pass did: bottleneck tree, plan, collectives "
-    "per layer after each pass, cost vs the standard plan; writes OUT/report.html and drawings.",
+    "per layer after each pass, cost vs the standard plan; writes OUT/report.html, the "
+    "drawings and OUT/plan.json (which parallelize(..., plan=) forces).",
 )

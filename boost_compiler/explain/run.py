@@ -28,11 +28,12 @@ from ..ir.capture import CapturedGraph, capture
 from ..ir.dump import GraphDumper
 from ..ir.ops import value_of
 from ..options import BoostOptions
-from ..passes import PassContext, enabled_passes, run_pipeline
+from ..passes import PassContext
+from ..passes.driver import enabled_passes, run_pipeline
 from ..tp.collectives import graph_collectives
-from ..tp.parallel import TPGroup, resolve_group
+from ..tp.groups import TPGroup, resolve_group
 from ..tp.placement import R
-from ..tp.plan import TPPlan
+from ..tp.plan import TPPlan, input_shapes
 from . import draw
 from .report import CollectiveRow, CostRow, Report, Stage
 
@@ -234,13 +235,8 @@ def _explain_graph(
         msg = f"pass {failed!r} failed on graph {gi}: {type(err).__name__}: {err}"
         log.error("explain: %s", msg, exc_info=True)
         run.errors.append(msg)
-    for note in ctx.notes.values():
-        plan.params.update(getattr(note, "params", {}) or {})
-        plan.fallbacks += list(getattr(note, "fallbacks", []) or [])
-        plan.decisions += list(getattr(note, "decisions", []) or [])
-    seen = {(b.down, b.up) for b in plan.bottlenecks}
-    plan.bottlenecks += [b for b in ctx.bottlenecks if (b.down, b.up) not in seen]
-    plan.collectives += graph_collectives(g.gm.graph)
+    plan.add_graph("explain", input_shapes(g.example_inputs), ctx.notes.get("btp"),
+                   ctx.bottlenecks, graph_collectives(g.gm.graph))  # fmt: skip
 
 
 def _report(
@@ -306,4 +302,5 @@ def _write(report: Report) -> None:
             svg = draw.render(text, dot_path)
             if svg is not None:
                 stage.files[f"{kind}.svg"] = svg
+    report.files["plan.json"] = report.plan.save(out / "plan.json", report.model_name)
     report.files["report.html"] = write_html(report, out / "report.html")

@@ -13,27 +13,12 @@ from .base import BoostPass, PassContext
 from .btp import BottleneckTP
 from .checkpoint import Checkpoint
 from .detect_bottlenecks import DetectBottlenecks
-from .driver import OnStage, enabled_passes, run_pipeline
 from .functionalize import Functionalize
 from .group_linears import GroupLinears
 from .inline_regions import InlineRegions
 from .online_norm import OnlineNorm
+from .pipeline import FRONT, PIPELINE, TP_REQUIRED
 from .reduce_scatter_grads import ReduceScatterGrads
-
-PIPELINE: tuple[type[BoostPass], ...] = (
-    InlineRegions,
-    Functionalize,
-    DetectBottlenecks,
-    BottleneckTP,
-    GroupLinears,
-    OnlineNorm,
-    ReduceScatterGrads,
-    Checkpoint,
-)
-# Run before any analysis: what detection and the sharding rules may assume of a graph.
-FRONT: tuple[type[BoostPass], ...] = (InlineRegions, Functionalize)
-# What a parallelized model cannot do without: the rewrite to shards and what it assumes.
-TP_REQUIRED: tuple[str, ...] = ("inline_regions", "functionalize", "detect_bottlenecks", "btp")
 
 __all__ = [
     "PIPELINE",
@@ -46,10 +31,7 @@ __all__ = [
     "Functionalize",
     "GroupLinears",
     "InlineRegions",
-    "OnStage",
     "OnlineNorm",
     "PassContext",
     "ReduceScatterGrads",
-    "enabled_passes",
-    "run_pipeline",
 ]

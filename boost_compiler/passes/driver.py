@@ -10,16 +10,14 @@ graph module is recompiled once at the end. A pass's exception propagates unchan
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
 from .._logging import get_logger
 from ..errors import OptionTypeError
+from ..options import BoostOptions
 from .base import BoostPass, PassContext
-
-if TYPE_CHECKING:  # options.py imports the pipeline, hence this package
-    from ..options import BoostOptions
+from .pipeline import PIPELINE
 
 log = get_logger(__name__)
 
@@ -37,7 +35,6 @@ def enabled_passes(
 def _or_pipeline(passes: Sequence[type[BoostPass]] | None) -> Sequence[type[BoostPass]]:
     if passes is not None:
         return passes
-    from . import PIPELINE  # the package imports this module: resolved at call time
 
     return PIPELINE
 

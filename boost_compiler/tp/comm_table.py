@@ -10,6 +10,7 @@ table, so the graph is their only record.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -39,6 +40,11 @@ class Collective:
     forward: bool  # communicates in the forward
     backward: bool  # communicates in the backward
     reason: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the payload at its global size (a symbolic size at its hint)."""
+        return math.prod(int(s) for s in self.global_shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..errors import MeshError
 
 __all__ = ["fake_process_group", "group_name_of", "rank_and_size"]
 
@@ -80,3 +84,32 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[str]:
         yield group_name_of(None)
     finally:
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """A tensor-parallel group as the passes see it: its c10d name, size, this rank."""
+
+    name: str
+    size: int
+    rank: int
+
+
+def resolve_group(mesh_or_group: Any) -> TPGroup:
+    """A 1-D DeviceMesh or a ProcessGroup -> name, size, this rank's index."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh_or_group, DeviceMesh):
+        if mesh_or_group.ndim != 1:
+            raise MeshError(
+                f"parallelize needs a 1-D tensor-parallel mesh, got a {mesh_or_group.ndim}-D "
+                f"mesh with dims {mesh_or_group.mesh_dim_names}; pass mesh['tp']"
+            )
+        pg = mesh_or_group.get_group()
+    elif isinstance(mesh_or_group, dist.ProcessGroup):
+        pg = mesh_or_group
+    else:
+        raise MeshError(
+            f"parallelize takes a 1-D DeviceMesh or a ProcessGroup, got {type(mesh_or_group)!r}"
+        )
+    return TPGroup(group_name_of(pg), dist.get_world_size(pg), dist.get_rank(pg))

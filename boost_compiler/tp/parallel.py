@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,45 +27,21 @@ from torch import nn
 
 from .._logging import get_logger
 from ..backend import boost_backend
-from ..errors import AlreadyParallelizedError, MeshError
+from ..errors import AlreadyParallelizedError
 from ..ir.capture import CapturedGraph, capture
 from ..options import BoostOptions
-from ..passes import TP_REQUIRED, PassContext, run_pipeline
+from ..passes import TP_REQUIRED, PassContext
+from ..passes.driver import run_pipeline
 from .closures import Rebinding, plan_rebinding, rebind
-from .collectives import graph_collectives, group_name_of
+from .collectives import graph_collectives
+from .groups import TPGroup, resolve_group
 from .placeholder import ShadowParam, make_placeholder
 from .placement import Placement, R
 from .plan import TPPlan, input_shapes
+from .plan_fit import check_fits
 from .shadow import ParallelState, ShadowForward, attach, is_shard, mark_shard, parallel_state
 
 log = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class TPGroup:
-    name: str
-    size: int
-    rank: int
-
-
-def resolve_group(mesh_or_group: Any) -> TPGroup:
-    """A 1-D DeviceMesh or a ProcessGroup -> name, size, this rank's index."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(mesh_or_group, DeviceMesh):
-        if mesh_or_group.ndim != 1:
-            raise MeshError(
-                f"parallelize needs a 1-D tensor-parallel mesh, got a {mesh_or_group.ndim}-D "
-                f"mesh with dims {mesh_or_group.mesh_dim_names}; pass mesh['tp']"
-            )
-        pg = mesh_or_group.get_group()
-    elif isinstance(mesh_or_group, dist.ProcessGroup):
-        pg = mesh_or_group
-    else:
-        raise MeshError(
-            f"parallelize takes a 1-D DeviceMesh or a ProcessGroup, got {type(mesh_or_group)!r}"
-        )
-    return TPGroup(group_name_of(pg), dist.get_world_size(pg), dist.get_rank(pg))
 
 
 def synchronise_rng(group: TPGroup) -> None:
@@ -97,12 +73,21 @@ def parallelize(
     example_inputs: Sequence[Any] = (),
     example_kwargs: Mapping[str, Any] | None = None,
     options: Mapping[str, Any] | None = None,
+    plan: TPPlan | str | Path | None = None,
 ) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` at the narrow point of every bottleneck.
 
     ``options`` are the backend's (e.g. ``{"online_norm": False}``): they decide
     the plan and the eager path; a ``torch.compile(model, backend="boost",
     options=...)`` of the result takes its own.
+
+    ``plan``: a :class:`~boost_compiler.TPPlan`, or the path of one saved with
+    ``plan.save(path)`` or by ``boost explain`` (``plan.json``), whose parameter
+    placements are forced instead of decided (to pin a plan across versions, or to try
+    an edited one). A plan that does not fit the model or the mesh raises
+    :class:`~boost_compiler.errors.PlanMismatchError` naming every parameter at fault,
+    before anything is modified; a placement the rules cannot use is gathered (exact),
+    and the plan lists the gather under ``fallbacks``.
 
     Returns the same module, its parameters now this rank's shards, its plan in
     ``model.boost_plan``. The forward keeps its signature; use it eagerly or
@@ -141,45 +126,57 @@ def parallelize(
     _refuse_parallelized(model)
     rebindings = plan_rebinding(model)  # raises before anything is modified
     group = resolve_group(tp_mesh)
+    forced = _forced_plan(plan, model, group)
     graphs = capture(
         model, tuple(example_inputs), example_kwargs,
         refuse_parameter_writes=True, require_compiled=True,
     )  # fmt: skip
 
-    plan = _plan(graphs, group, opts)
+    decided = _plan(graphs, group, opts, forced)
     # Every check above ran on the captured copy: nothing was modified before here.
-    _shard_in_place(model, plan, group, dict(options or {}), rebindings)
+    _shard_in_place(model, decided, group, dict(options or {}), rebindings)
     synchronise_rng(group)
     log.info(
         "parallelized %s over tp=%d: %d bottleneck(s), %d sharded parameter(s)",
         type(model).__name__,
         group.size,
-        len(plan.bottlenecks),
-        sum(pl.is_shard for pl in plan.params.values()),
+        len(decided.bottlenecks),
+        sum(pl.is_shard for pl in decided.params.values()),
     )
-    model.boost_plan = plan  # type: ignore[assignment]
+    model.boost_plan = decided  # type: ignore[assignment]
     return model
 
 
-def _plan(graphs: Sequence[CapturedGraph], group: TPGroup, opts: BoostOptions) -> TPPlan:
+def _forced_plan(
+    plan: TPPlan | str | Path | None, model: nn.Module, group: TPGroup
+) -> TPPlan | None:
+    """The plan whose placements ``parallelize(..., plan=)`` forces, checked to fit ``model``."""
+    if plan is None:
+        return None
+    forced = plan if isinstance(plan, TPPlan) else TPPlan.load(plan)
+    check_fits(forced, {n: tuple(prm.shape) for n, prm in model.named_parameters()}, group.size)
+    return forced
+
+
+def _plan(
+    graphs: Sequence[CapturedGraph], group: TPGroup, opts: BoostOptions, forced: TPPlan | None
+) -> TPPlan:
     """The pass pipeline on each captured graph (they are rewritten); the plan of the result.
 
     The backend's pipeline and options, so the plan lists the collectives a
-    ``torch.compile(backend="boost", options=options)`` of the model executes.
+    ``torch.compile(backend="boost", options=options)`` of the model executes. With a
+    ``forced`` plan every parameter's placement is fixed from the start: the rules place
+    the rest of each graph around them, as they do for a graph compiled later.
     """
     plan = TPPlan(p=group.size, group=group.name)
+    if forced is not None:
+        plan.params = dict(forced.params)
+        plan.forced_from = forced.forced_from or "a TPPlan"
     for g in graphs:
         ctx = PassContext(g.param_names, tp=group, fixed=dict(plan.params))
         run_pipeline(g.gm, ctx, opts, required=TP_REQUIRED)
-        result = ctx.notes["btp"]
-        plan.params.update(result.params)
-        plan.bottlenecks += ctx.bottlenecks
-        collectives = graph_collectives(g.gm.graph)
-        plan.collectives += collectives
-        plan.record_graph(
-            "parallelize", input_shapes(g.example_inputs), result.fallbacks, len(collectives)
-        )
-        plan.decisions += result.decisions
+        plan.add_graph("parallelize", input_shapes(g.example_inputs), ctx.notes["btp"],
+                       ctx.bottlenecks, graph_collectives(g.gm.graph))  # fmt: skip
     return plan
 
 

@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from ..errors import UncompiledFrameError
 
 if TYPE_CHECKING:
-    from .parallel import TPGroup
+    from .groups import TPGroup
     from .placement import Placement
     from .plan import TPPlan
 

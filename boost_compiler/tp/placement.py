@@ -12,11 +12,16 @@ are decided per FX node by the compiler, and the graph stays plain tensors.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ..errors import PlanFileError
+
+_SHARD = re.compile(r"S\((\d+)(?:, blocks=\[([\d, ]*)\])?\)")
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,19 @@ class Placement:
         if self.kind != "S":
             return self.kind
         return f"S({self.dim}, blocks={list(self.blocks)})" if self.blocks else f"S({self.dim})"
+
+    @staticmethod
+    def parse(text: str, where: str = "") -> Placement:
+        """``"R"``, ``"P"``, ``"S(1)"`` or ``"S(1, blocks=[64, 32, 32])"``, as ``str()`` writes."""
+        text = text.strip()
+        if text in ("R", "P"):
+            return Placement(text)
+        m = _SHARD.fullmatch(text)
+        if m is None:
+            raise PlanFileError(f"{where or 'placement'}: {text!r} is not a placement; write "
+                                "R, S(dim) or S(dim, blocks=[sizes])")  # fmt: skip
+        blocks = tuple(int(b) for b in (m.group(2) or "").split(",") if b.strip())
+        return Placement("S", int(m.group(1)), blocks)
 
     @property
     def is_shard(self) -> bool:

@@ -11,9 +11,11 @@ every distinct gather those graphs fell back to, each naming the first graph it 
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,8 +24,13 @@ from rich.table import Table
 from torch import nn
 
 from ..analysis.bottlenecks import Bottleneck
+from ..errors import PlanFileError
 from .collectives import Collective
 from .placement import Placement
+
+# The saved plan's format (TPPlan.save/load, boost explain's plan.json); a new version
+# when a field changes meaning.
+PLAN_FORMAT, PLAN_VERSION = "boost-plan", 1
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,7 @@ class GraphRecord:
     """One graph the pipeline rewrote for the model: where it came from, what it gathered."""
 
     index: int
-    origin: str  # "parallelize" (its capture), or "compile" (a graph dynamo compiled later)
+    origin: str  # "parallelize" (its capture), "compile" (a graph compiled later), "explain"
     inputs: tuple[str, ...]  # the shapes of its non-parameter tensor inputs, e.g. "2x16"
     fallbacks: tuple[str, ...]
     collectives: int
@@ -77,6 +84,8 @@ class TPPlan:
     param_itemsize: dict[str, int] = field(default_factory=dict)
     trainable: set[str] = field(default_factory=set)
     graphs: list[GraphRecord] = field(default_factory=list)
+    # The file (or "a TPPlan") whose placements parallelize(..., plan=) forced; None: decided.
+    forced_from: str | None = None
 
     def record_graph(
         self, origin: str, inputs: tuple[str, ...], fallbacks: list[str], collectives: int
@@ -89,6 +98,91 @@ class TPPlan:
             if msg not in known:
                 self.fallbacks.append(f"{msg} [from {record}]")
         return record
+
+    def to_json(self, model_name: str = "") -> dict[str, Any]:
+        """The plan as JSON-ready data: placements, shapes, bottlenecks, collectives, graphs."""
+        params = {
+            name: {"placement": str(pl), "shape": list(self.param_shapes.get(name, ())),
+                   "itemsize": self.param_itemsize.get(name, 4),
+                   "trainable": name in self.trainable}
+            for name, pl in self.params.items()
+        }  # fmt: skip
+        return {
+            "format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model_name, "p": self.p,
+            "forced_from": self.forced_from, "params": params,
+            "bottlenecks": [asdict(b) for b in self.bottlenecks],
+            "collectives": [_collective_json(c) for c in self.collectives],
+            "graphs": [asdict(g) for g in self.graphs],
+            "fallbacks": list(self.fallbacks), "decisions": list(self.decisions),
+        }  # fmt: skip
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any], source: str = "the plan") -> TPPlan:
+        """The plan :meth:`to_json` wrote; :class:`PlanFileError` naming what is malformed."""
+        if not isinstance(data, Mapping) or data.get("format") != PLAN_FORMAT:
+            raise PlanFileError(f'{source}: not a boost plan (no "format": "{PLAN_FORMAT}")')
+        if data.get("version") != PLAN_VERSION:
+            raise PlanFileError(f"{source}: plan format version {data.get('version')!r}; "
+                                f"this build reads {PLAN_VERSION}")  # fmt: skip
+        try:
+            plan = TPPlan(p=int(data["p"]), group="", forced_from=data.get("forced_from"))
+            for name, entry in data["params"].items():
+                plan.params[name] = Placement.parse(entry["placement"], f"{source}: {name!r}")
+                plan.param_shapes[name] = tuple(int(s) for s in entry["shape"])
+                plan.param_itemsize[name] = int(entry.get("itemsize", 4))
+                if entry.get("trainable", True):
+                    plan.trainable.add(name)
+            plan.bottlenecks = [_dataclass(Bottleneck, b) for b in data.get("bottlenecks", [])]
+            plan.collectives = [_collective(c) for c in data.get("collectives", [])]
+            plan.graphs = [_dataclass(GraphRecord, g) for g in data.get("graphs", [])]
+            plan.fallbacks = list(data.get("fallbacks", []))
+            plan.decisions = list(data.get("decisions", []))
+        except PlanFileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise PlanFileError(f"{source}: malformed plan ({type(err).__name__}: {err})") from err
+        return plan
+
+    def save(self, path: str | Path, model_name: str = "") -> Path:
+        """Write the plan as JSON; ``parallelize(model, mesh, inputs, plan=path)`` forces it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(model_name), indent=1) + "\n")
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> TPPlan:
+        """A plan saved by :meth:`save` or by ``boost explain`` (its ``plan.json``)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise PlanFileError(
+                f"{path}: cannot read a plan ({type(err).__name__}: {err})"
+            ) from err
+        plan = TPPlan.from_json(data, str(path))
+        plan.forced_from = str(path)
+        return plan
+
+    def add_graph(
+        self, origin: str, inputs: tuple[str, ...], result: Any,
+        bottlenecks: Sequence[Bottleneck], collectives: Sequence[Collective],
+    ) -> GraphRecord:  # fmt: skip
+        """Fold one rewritten graph of the captured example into the plan (parallelize, explain).
+
+        ``result`` is the btp pass's :class:`~.rules.registry.ShardingResult` (None when the
+        pass did not run): its parameter placements, fallbacks and decisions.
+        """
+        params, fallbacks, decisions = (
+            (result.params, result.fallbacks, result.decisions) if result is not None
+            else ({}, [], [])
+        )  # fmt: skip
+        self.params.update(params)
+        seen = {(b.down, b.up) for b in self.bottlenecks}
+        self.bottlenecks += [b for b in bottlenecks if (b.down, b.up) not in seen]
+        self.collectives += collectives
+        self.decisions += [d for d in decisions if d not in self.decisions]
+        return self.record_graph(origin, inputs, list(fallbacks), len(collectives))
 
     def rank_memory(self) -> RankMemory:
         """Per-rank parameter, gradient and AdamW bytes of this plan (a shard is 1/p)."""
@@ -152,3 +246,23 @@ class TPPlan:
 
     def __rich__(self) -> Group:
         return Group(self.param_table(), self.memory_text(), self.collective_table())
+
+
+def _collective_json(c: Collective) -> dict[str, Any]:
+    shape = [s if isinstance(s, int) else str(s) for s in c.global_shape]  # a SymInt as text
+    return {**asdict(c), "global_shape": shape, "dtype": str(c.dtype).removeprefix("torch.")}
+
+
+def _collective(data: Mapping[str, Any]) -> Collective:
+    dtype = getattr(torch, str(data["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise PlanFileError(f"collective {data.get('node')!r}: unknown dtype {data['dtype']!r}")
+    return Collective(
+        data["kind"], data["node"], tuple(data["global_shape"]), dtype,
+        bool(data["forward"]), bool(data["backward"]), data.get("reason", ""),
+    )  # fmt: skip
+
+
+def _dataclass(cls: type, data: Mapping[str, Any]) -> Any:
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in known})

@@ -25,7 +25,6 @@ rules call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.fx as fx
@@ -40,17 +39,9 @@ from .collectives import Collective as Collective  # re-exported: the plan's rec
 from .placement import P, Placement, R, S, unblock
 from .rules.core import describe as _describe
 from .rules.core import requires_grad as _requires_grad
-from .rules.registry import reads_blocks, rule_for
+from .rules.registry import ShardingResult, reads_blocks, rule_for
 
 log = get_logger(__name__)
-
-
-@dataclass
-class ShardingResult:
-    # The collectives are not listed here: collectives.graph_collectives reads them off the graph.
-    params: dict[str, Placement] = field(default_factory=dict)
-    fallbacks: list[str] = field(default_factory=list)
-    decisions: list[str] = field(default_factory=list)  # choices made, with their reason
 
 
 class ShardingPropagator:

@@ -38,7 +38,7 @@ from .placeholder import (
 )
 
 if TYPE_CHECKING:
-    from .parallel import TPGroup
+    from .groups import TPGroup
     from .plan import TPPlan
 
 

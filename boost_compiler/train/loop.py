@@ -18,7 +18,6 @@ float rounding: that is what the parity tests check.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -32,50 +31,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
-from ..errors import VocabSizeError
-from ..tp.shadow import parallel_state
 from . import checkpoint as ckpt
 from . import comm, divergence, hf_model, mfu, report, run_folder
-from .clip import GradSlot, clip_grad_norm_
+from .clip import clip_grad_norm_
 from .config import TrainConfig, TrainConfigError
-from .data import DataSource, model_vocab, open_data, open_eval
 from .evaluate import validate
 from .report import Metrics, default_plot, plot_losses, progress_bar, read_metrics
+from .setup import Run, setup
 
 log = get_logger(__name__)
-
-
-def build_model(cfg: TrainConfig) -> nn.Module:
-    """The preset ``cfg.model`` with its overrides, seeded (identical on every rank).
-
-    With ``--tokenizer`` the vocabulary is the tokenizer's (the preset's is replaced); a
-    ``vocab_size`` override may pad it (e.g. to a multiple of tp), never cut it.
-    ``--hf-config`` / ``--init-from``: the transformers model instead (:mod:`.hf_model`).
-    """
-    from ..models import cola_llama as cola
-
-    if hf_model.is_hf(cfg):
-        return hf_model.build(cfg)
-    if cfg.model not in cola.CONFIGS:
-        raise TrainConfigError(f"unknown --model {cfg.model!r}; presets: {sorted(cola.CONFIGS)}")
-    overrides = dict(cfg.model_overrides)
-    overrides.setdefault("max_seq_len", max(cola.CONFIGS[cfg.model].max_seq_len, cfg.seq))
-    need = model_vocab(cfg)
-    if need is not None:
-        given = overrides.setdefault("vocab_size", need)
-        if given < need:
-            raise VocabSizeError(
-                f"the model's vocab_size {given} ([model] vocab_size) is smaller than the "
-                f"tokenizer's {need} ({cfg.tokenizer}): drop vocab_size from the [model] table "
-                f"(the trainer then sizes the model from the tokenizer) or set it >= {need}"
-            )
-    model = cola.build(cfg.model, seed=cfg.seed, **overrides)
-    if need is None and model.cfg.vocab_size < 256:
-        raise VocabSizeError(
-            f"vocab_size {model.cfg.vocab_size} < 256: without --tokenizer the tokens are bytes "
-            "(set vocab_size >= 256, or give --tokenizer)"
-        )
-    return model
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -85,21 +49,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
-
-
-def make_optimizer(
-    layout: ckpt.Layout, cfg: TrainConfig, tp: int
-) -> tuple[list[GradSlot], torch.optim.AdamW]:
-    """AdamW over the layout's parameters (no decay on vectors) and their clipping slots."""
-    slots = [GradSlot(e.param, tp > 1 and e.placement.is_shard) for e in layout.entries]  # type: ignore[arg-type]
-    decay = [e.param for e in layout.entries if e.param.ndim >= 2]
-    no_decay = [e.param for e in layout.entries if e.param.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-    )  # fmt: skip
-    return slots, opt
 
 
 def init_distributed(timeout_s: float | None = None) -> bool:
@@ -137,99 +86,7 @@ class TrainResult:
     tokens_per_s: float = 0.0
 
 
-@dataclass
-class _Run:
-    cfg: TrainConfig
-    dp: int
-    tp: int
-    mesh: Any
-    device: torch.device
-    corpus: DataSource
-    model: nn.Module
-    forward: Any
-    opt: torch.optim.Optimizer
-    layout: ckpt.Layout
-    slots: list[GradSlot]
-    fsdp: bool
-    tp_bytes: int
-    dp_bytes: int
-    pipe: Any = None  # train.pipeline.Pipeline when pp > 1 (it runs forward and backward)
-    norm_group: Any = None  # pp > 1: the group the gradient norm's squares are summed over
-    held_out: torch.Tensor | None = None  # [batches, batch, seq] validation sequences
-
-    @property
-    def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
-
-    def batch(self, step: int) -> torch.Tensor:
-        return self.corpus.rows(step).to(self.device)
-
-
-def _plan_bytes(model: nn.Module) -> int:
-    """Forward + backward payload bytes per step of the model's BTP plan (0 without one)."""
-    state = parallel_state(model)
-    if state is None:
-        return 0
-    plan = state.plan
-    total = 0
-    for c in plan.collectives:
-        numel = math.prod(int(s) for s in c.global_shape)
-        total += numel * c.dtype.itemsize * (int(c.forward) + int(c.backward))
-    return total
-
-
-def setup(cfg: TrainConfig) -> _Run:
-    """Mesh, data, model (parallelized, sharded), optimizer: everything before step 0."""
-    import boost_compiler
-
-    world = dist.get_world_size()
-    cfg.validate(world)
-    hf_model.check(cfg)
-    hf = hf_model.is_hf(cfg)
-    if cfg.pp > 1:
-        from .pipeline import setup_pipeline_run
-
-        # The pipeline builds its run with the embedded corpus; the data is swapped in here.
-        run = setup_pipeline_run(dataclasses.replace(cfg, data=None))
-        run.cfg, run.corpus = cfg, open_data(cfg, run.dp_rank, run.dp)
-        return run
-    tp = cfg.tp
-    dp = cfg.dp if cfg.dp is not None else world // tp
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    mesh = comm.device_mesh(device.type, (dp, tp), ("dp", "tp"), comm.timeout_of(cfg.comm_timeout))
-    corpus = open_data(cfg, mesh["dp"].get_local_rank(), dp)
-    held_out = open_eval(cfg)
-    model = build_model(cfg).to(device)
-    if cfg.bf16:
-        model = model.to(torch.bfloat16)
-    example = corpus.example().to(device)
-    if tp > 1:
-        kwargs = {"labels": example, **(hf_model.EXAMPLE_KWARGS if hf else {})}
-        boost_compiler.parallelize(model, mesh["tp"], (example,), kwargs)
-    fsdp = dp > 1 and cfg.fsdp
-    if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=mesh["dp"])
-    layout = ckpt.model_layout(model, mesh["tp"] if tp > 1 else None)
-    slots, opt = make_optimizer(layout, cfg, tp)
-    forward: Any = model
-    if cfg.compile:
-        if fsdp:
-            # FSDP2's hooks stay eager around the module call; the forward they wrap is compiled.
-            model.forward = torch.compile(model.forward, backend="boost")  # type: ignore[method-assign]
-        else:
-            forward = torch.compile(model, backend="boost")
-    if hf:  # HF returns an output object: the loop and validation want its loss
-        forward = hf_model.LossForward(forward)
-    block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
-    dp_bytes = 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
-    return _Run(cfg, dp, tp, mesh, device, corpus, model, forward, opt, layout, slots, fsdp,
-                _plan_bytes(model), dp_bytes, held_out=held_out)  # fmt: skip
-
-
-def _all_reduce_grads(run: _Run) -> None:
+def _all_reduce_grads(run: Run) -> None:
     """``--no-fsdp``: average the gradients over dp (one flat buffer)."""
     grads = [p.grad for p in run.model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -241,7 +98,7 @@ def _all_reduce_grads(run: _Run) -> None:
         offset += g.numel()
 
 
-def train_step(run: _Run, step: int) -> tuple[float, float]:
+def train_step(run: Run, step: int) -> tuple[float, float]:
     """One optimizer step on batch ``step``; returns (dp-mean loss, grad norm before clip).
 
     A non-finite loss or norm takes no step: the gradients are dropped, the parameters
@@ -278,7 +135,7 @@ def train_step(run: _Run, step: int) -> tuple[float, float]:
     return mean, total
 
 
-def _train_state(run: _Run, step: int) -> dict[str, Any]:
+def _train_state(run: Run, step: int) -> dict[str, Any]:
     cfg = run.cfg
     return {
         "step": step,
@@ -296,7 +153,7 @@ def _train_state(run: _Run, step: int) -> dict[str, Any]:
 SCHEDULE = ("steps", "lr", "warmup", "min_lr_ratio")
 
 
-def _check_resume(run: _Run, state: dict[str, Any]) -> None:
+def _check_resume(run: Run, state: dict[str, Any]) -> None:
     data, cfg = state.get("data", {}), run.cfg
     saved = state.get("config", {})
     changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (saved: {saved[k]})"
@@ -449,7 +306,7 @@ def _train(
     return result
 
 
-def _record_step(run: _Run, step: int, loss: float, norm: float, dt: float, metrics: Metrics,
+def _record_step(run: Run, step: int, loss: float, norm: float, dt: float, metrics: Metrics,
                  meter: Any) -> float:  # fmt: skip
     """A finite step's metrics record and log line; its tokens/s."""
     cfg = run.cfg
@@ -465,7 +322,7 @@ def _record_step(run: _Run, step: int, loss: float, norm: float, dt: float, metr
     return rate
 
 
-def _data_info(run: _Run) -> dict[str, Any]:
+def _data_info(run: Run) -> dict[str, Any]:
     """The metrics' start record: tokenizer, EOS, held-out size (no collective)."""
     info = run.corpus.describe()
     if run.held_out is not None:

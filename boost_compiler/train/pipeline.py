@@ -36,7 +36,8 @@ from torch import nn
 
 from ..errors import PipelineError
 from ..tp.collectives import gather_from_tp, group_name_of, scatter_to_tp
-from .comm import device_mesh, group_over, timeout_of
+from .comm import device_mesh
+from .stages import StageSpec, split_layers
 
 __all__ = [
     "P2PMeter",
@@ -44,52 +45,8 @@ __all__ = [
     "StageSpec",
     "build_pipeline",
     "init_pipeline_mesh",
-    "setup_pipeline_run",
     "split_layers",
 ]
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """One stage's share of the model: its index and the original layer indices it runs."""
-
-    index: int
-    num_stages: int
-    layers: tuple[int, ...]
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def last(self) -> bool:
-        return self.index == self.num_stages - 1
-
-
-def split_layers(n_layers: int, pp: int, counts: Sequence[int] | None = None) -> list[StageSpec]:
-    """Stages of ``n_layers`` over ``pp``: ``counts`` layers each, else as even as possible.
-
-    An uneven even split gives the extra layers to the middle stages first: the
-    first and last stages also run the embedding and the (large) LM head.
-    """
-    if pp < 1:
-        raise PipelineError(f"pp must be >= 1, got {pp}")
-    if counts is None:
-        base, extra = divmod(n_layers, pp)
-        order = sorted(range(pp), key=lambda i: (i in (0, pp - 1), i))
-        counts = [base + (1 if order.index(i) < extra else 0) for i in range(pp)]
-    counts = list(counts)
-    if len(counts) != pp or sum(counts) != n_layers or min(counts) < 0:
-        raise PipelineError(
-            f"layer counts {counts} must be {pp} non-negative numbers summing to {n_layers}"
-        )
-    if any(c == 0 for c in counts[1:-1]):
-        raise PipelineError(f"layer counts {counts}: a middle stage without layers does nothing")
-    out, start = [], 0
-    for i, c in enumerate(counts):
-        out.append(StageSpec(i, pp, tuple(range(start, start + c))))
-        start += c
-    return out
 
 
 class CoLAStage(nn.Module):
@@ -392,44 +349,3 @@ class P2PMeter:
             yield self
         finally:
             schedules._batch_p2p, schedules._wait_batch_p2p = post, wait
-
-
-def setup_pipeline_run(cfg: Any) -> Any:
-    """``train.loop.setup`` at ``cfg.pp > 1``: this rank's stage on a ``(pp, dp, tp)`` mesh.
-
-    The run's ``model`` is the stage under single-device names (its checkpoint layout,
-    clip slots and optimizer groups are those of its parameters); the gradient norm's
-    squares are summed over pp (disjoint stages) and, under FSDP2, dp (disjoint shards).
-    Checkpoints: each stage saves its own parameters and moments under their global
-    names (``layers.3...``, TP shards as for a (dp, tp) run), and the layout's ``keys``
-    are the whole model's, which ``train_state.json`` records and a load checks: so a
-    checkpoint holds one model, whatever pp saved it or loads it.
-    """
-    from . import checkpoint as ckpt
-    from .data import load_corpus
-    from .loop import _plan_bytes, _Run, build_model, make_optimizer
-
-    world = dist.get_world_size()
-    tp, pp = cfg.tp, cfg.pp
-    dp = cfg.dp if cfg.dp is not None else world // (tp * pp)
-    device = torch.device("cpu")
-    timeout = timeout_of(cfg.comm_timeout)
-    mesh = init_pipeline_mesh(pp, dp, tp, device.type, timeout)
-    model = build_model(cfg).to(device)
-    if cfg.bf16:
-        model = model.to(torch.bfloat16)
-    model_keys = list(model.state_dict().keys())  # before the split: every stage's names
-    fsdp = dp > 1 and cfg.fsdp
-    pipe = build_pipeline(
-        model, mesh, cfg.batch // dp, cfg.seq, cfg.microbatches, fsdp=fsdp,
-        layer_counts=cfg.pp_layers,
-    )  # fmt: skip
-    stage = pipe.module.stage
-    layout = ckpt.model_layout(stage, mesh["tp"] if tp > 1 else None)
-    layout.keys = model_keys
-    slots, opt = make_optimizer(layout, cfg, tp)
-    norm_group = group_over(mesh, ("pp", "dp"), timeout) if fsdp else mesh["pp"].get_group()
-    block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
-    dp_bytes = 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
-    return _Run(cfg, dp, tp, mesh, device, load_corpus(cfg.data), stage, pipe.module, opt,
-                layout, slots, fsdp, _plan_bytes(stage), dp_bytes, pipe, norm_group)  # fmt: skip

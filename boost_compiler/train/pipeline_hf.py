@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import PipelineError
-from .pipeline import StageSpec
+from .stages import StageSpec
 
 __all__ = ["HFLlamaStage", "hf_dims", "is_hf_causal_lm"]
 

@@ -19,16 +19,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch.fx as fx
 
 from ...ir.op_table import op_kind, spellings_scope
 from ..placement import Placement, R
 
-if TYPE_CHECKING:
-    from ..propagate import ShardingResult
+
+@dataclass
+class ShardingResult:
+    """What the rules decided for one graph (the collectives are read off the graph)."""
+
+    params: dict[str, Placement] = field(default_factory=dict)
+    fallbacks: list[str] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)  # choices made, with their reason
 
 
 class Propagator(Protocol):

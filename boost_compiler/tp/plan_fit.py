@@ -1,0 +1,61 @@
+"""Whether a saved plan fits a model: the check ``parallelize(..., plan=)`` runs first.
+
+Invariant: :func:`check_fits` refuses, by name and before anything is modified, every
+placement the model cannot take (a parameter missing from the plan or unknown to the
+model, another shape, a partial parameter, a split its size does not divide). What
+passes reaches the propagator as fixed placements, which every rule handles exactly:
+a placement no rule can use is gathered, and the plan lists that gather as a fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..errors import PlanMismatchError
+from .placement import P, Placement
+from .plan import TPPlan
+
+
+def check_fits(plan: TPPlan, shapes: Mapping[str, tuple[int, ...]], p: int) -> None:
+    """Raise :class:`PlanMismatchError` naming every parameter ``plan`` cannot place.
+
+    ``shapes``: the model's parameters (first name of each, as ``named_parameters()``).
+    """
+    if plan.p != p:
+        raise PlanMismatchError(
+            f"the plan is for tp={plan.p}, the mesh has {p} ranks: save a plan at tp={p} "
+            "(boost explain --tp), or pass the matching mesh"
+        )
+    problems = [f"{n!r}: in the model, not in the plan" for n in shapes if n not in plan.params]
+    problems += [f"{n!r}: in the plan, not in the model" for n in plan.params if n not in shapes]
+    for name, pl in plan.params.items():
+        if name in shapes:
+            problems += _placement_problems(name, pl, shapes[name], plan.param_shapes, p)
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise PlanMismatchError(
+            f"the plan{f' ({plan.forced_from})' if plan.forced_from else ''} does not fit "
+            f"the model ({len(problems)} problem(s)); nothing was modified:\n  {shown}{more}"
+        )
+
+
+def _placement_problems(
+    name: str, pl: Placement, shape: tuple[int, ...], planned: Mapping[str, tuple[int, ...]],
+    p: int,
+) -> list[str]:  # fmt: skip
+    if name in planned and tuple(planned[name]) != tuple(shape):
+        return [f"{name!r}: the plan's shape {list(planned[name])}, the model's {list(shape)}"]
+    if pl == P:
+        return [f"{name!r}: a parameter cannot be partial (P); write R or S(dim)"]
+    if not pl.is_shard:
+        return []
+    if not 0 <= pl.dim < len(shape):
+        return [f"{name!r}: {pl} names dim {pl.dim} of a {len(shape)}-d parameter {list(shape)}"]
+    size = shape[pl.dim]
+    if pl.blocks and sum(pl.blocks) != size:
+        return [f"{name!r}: {pl}'s blocks sum to {sum(pl.blocks)}, dim {pl.dim} is {size}"]
+    bad = [b for b in (pl.blocks or (size,)) if b % p]
+    if bad:
+        return [f"{name!r}: {pl} splits size {bad[0]} over p={p}, which does not divide it"]
+    return []

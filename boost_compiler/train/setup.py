@@ -1,0 +1,222 @@
+"""Everything before step 0, in torchtitan's order of steps, for the loop and the pipeline.
+
+:func:`setup` builds a run's :class:`Run`: the mesh, the data, the model
+(:func:`build_model`), then the steps a layout asks for, each one function that both
+``(dp, tp)`` runs and pipelined ``(pp, dp, tp)`` runs call: :func:`apply_btp`
+(``parallelize`` over ``tp``), :func:`apply_fsdp` (FSDP2 over ``dp``),
+:func:`apply_compile` (``torch.compile(backend="boost")``), and
+:func:`make_optimizer`. Invariant: one device choice (:func:`pick_device`) and one
+optimizer for both, so a pipelined run trains what the same run without ``pp`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import VocabSizeError
+from ..tp.shadow import parallel_state
+from . import checkpoint as ckpt
+from . import comm, hf_model
+from .clip import GradSlot
+from .config import TrainConfig, TrainConfigError
+from .data import DataSource, load_corpus, model_vocab, open_data, open_eval
+from .pipeline import build_pipeline, init_pipeline_mesh
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    """The preset ``cfg.model`` with its overrides, seeded (identical on every rank).
+
+    With ``--tokenizer`` the vocabulary is the tokenizer's (the preset's is replaced); a
+    ``vocab_size`` override may pad it (e.g. to a multiple of tp), never cut it.
+    ``--hf-config`` / ``--init-from``: the transformers model instead (:mod:`.hf_model`).
+    """
+    from ..models import cola_llama as cola
+
+    if hf_model.is_hf(cfg):
+        return hf_model.build(cfg)
+    if cfg.model not in cola.CONFIGS:
+        raise TrainConfigError(f"unknown --model {cfg.model!r}; presets: {sorted(cola.CONFIGS)}")
+    overrides = dict(cfg.model_overrides)
+    overrides.setdefault("max_seq_len", max(cola.CONFIGS[cfg.model].max_seq_len, cfg.seq))
+    need = model_vocab(cfg)
+    if need is not None:
+        given = overrides.setdefault("vocab_size", need)
+        if given < need:
+            raise VocabSizeError(
+                f"the model's vocab_size {given} ([model] vocab_size) is smaller than the "
+                f"tokenizer's {need} ({cfg.tokenizer}): drop vocab_size from the [model] table "
+                f"(the trainer then sizes the model from the tokenizer) or set it >= {need}"
+            )
+    model = cola.build(cfg.model, seed=cfg.seed, **overrides)
+    if need is None and model.cfg.vocab_size < 256:
+        raise VocabSizeError(
+            f"vocab_size {model.cfg.vocab_size} < 256: without --tokenizer the tokens are bytes "
+            "(set vocab_size >= 256, or give --tokenizer)"
+        )
+    return model
+
+
+def make_optimizer(
+    layout: ckpt.Layout, cfg: TrainConfig, tp: int
+) -> tuple[list[GradSlot], torch.optim.AdamW]:
+    """AdamW over the layout's parameters (no decay on vectors) and their clipping slots."""
+    slots = [GradSlot(e.param, tp > 1 and e.placement.is_shard) for e in layout.entries]  # type: ignore[arg-type]
+    decay = [e.param for e in layout.entries if e.param.ndim >= 2]
+    no_decay = [e.param for e in layout.entries if e.param.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+    )  # fmt: skip
+    return slots, opt
+
+
+@dataclass
+class Run:
+    """Everything a training run holds between steps, on this rank."""
+
+    cfg: TrainConfig
+    dp: int
+    tp: int
+    mesh: Any
+    device: torch.device
+    corpus: DataSource
+    model: nn.Module
+    forward: Any
+    opt: torch.optim.Optimizer
+    layout: ckpt.Layout
+    slots: list[GradSlot]
+    fsdp: bool
+    tp_bytes: int
+    dp_bytes: int
+    pipe: Any = None  # a .pipeline.Pipeline when pp > 1 (it runs forward and backward)
+    norm_group: Any = None  # pp > 1: the group the gradient norm's squares are summed over
+    held_out: torch.Tensor | None = None  # [batches, batch, seq] validation sequences
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def batch(self, step: int) -> torch.Tensor:
+        return self.corpus.rows(step).to(self.device)
+
+
+def pick_device() -> torch.device:
+    """This rank's accelerator (torchrun set it from LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def plan_bytes(model: nn.Module) -> int:
+    """Forward + backward payload bytes per step of the model's BTP plan (0 without one)."""
+    state = parallel_state(model)
+    if state is None:
+        return 0
+    return sum(c.nbytes * (int(c.forward) + int(c.backward)) for c in state.plan.collectives)
+
+
+def apply_btp(model: nn.Module, cfg: TrainConfig, tp_mesh: Any, example: torch.Tensor) -> None:
+    """``parallelize`` over ``tp`` with the batch's shape as the example (at tp=1: nothing)."""
+    import boost_compiler
+
+    if cfg.tp > 1:
+        kwargs = {"labels": example, **(hf_model.EXAMPLE_KWARGS if hf_model.is_hf(cfg) else {})}
+        boost_compiler.parallelize(model, tp_mesh, (example,), kwargs)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: Any) -> None:
+    """FSDP2 over ``dp``: the root module only (the forward runs the shadow's tree)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model, mesh=dp_mesh)
+
+
+def apply_compile(model: nn.Module, cfg: TrainConfig, fsdp: bool) -> Any:
+    """What the loop calls for a forward: the model, compiled with the boost backend if asked."""
+    forward: Any = model
+    if cfg.compile:
+        if fsdp:
+            # FSDP2's hooks stay eager around the module call; the forward they wrap is compiled.
+            model.forward = torch.compile(model.forward, backend="boost")  # type: ignore[method-assign]
+        else:
+            forward = torch.compile(model, backend="boost")
+    if hf_model.is_hf(cfg):  # HF returns an output object: the loop and validation want its loss
+        forward = hf_model.LossForward(forward)
+    return forward
+
+
+def _dp_bytes(layout: ckpt.Layout, dp: int, fsdp: bool) -> int:
+    block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
+    return 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Mesh, data, model (parallelized, sharded), optimizer: everything before step 0."""
+    world = dist.get_world_size()
+    cfg.validate(world)
+    hf_model.check(cfg)
+    if cfg.pp > 1:
+        # The pipeline builds its run with the embedded corpus; the data is swapped in here.
+        run = setup_pipeline_run(dataclasses.replace(cfg, data=None))
+        run.cfg, run.corpus = cfg, open_data(cfg, run.dp_rank, run.dp)
+        return run
+    tp = cfg.tp
+    dp = cfg.dp if cfg.dp is not None else world // tp
+    device = pick_device()
+    mesh = comm.device_mesh(device.type, (dp, tp), ("dp", "tp"), comm.timeout_of(cfg.comm_timeout))
+    corpus = open_data(cfg, mesh["dp"].get_local_rank(), dp)
+    model = build_model(cfg).to(device)
+    if cfg.bf16:
+        model = model.to(torch.bfloat16)
+    apply_btp(model, cfg, mesh["tp"], corpus.example().to(device))
+    fsdp = dp > 1 and cfg.fsdp
+    if fsdp:
+        apply_fsdp(model, mesh["dp"])
+    layout = ckpt.model_layout(model, mesh["tp"] if tp > 1 else None)
+    slots, opt = make_optimizer(layout, cfg, tp)
+    forward = apply_compile(model, cfg, fsdp)
+    return Run(cfg, dp, tp, mesh, device, corpus, model, forward, opt, layout, slots, fsdp,
+               plan_bytes(model), _dp_bytes(layout, dp, fsdp), held_out=open_eval(cfg))  # fmt: skip
+
+
+def setup_pipeline_run(cfg: TrainConfig) -> Run:
+    """:func:`setup` at ``cfg.pp > 1``: this rank's stage on a ``(pp, dp, tp)`` mesh.
+
+    The run's ``model`` is the stage under single-device names (its checkpoint layout,
+    clip slots and optimizer groups are those of its parameters); the gradient norm's
+    squares are summed over pp (disjoint stages) and, under FSDP2, dp (disjoint shards).
+    Checkpoints: each stage saves its own parameters and moments under their global
+    names (``layers.3...``, TP shards as for a (dp, tp) run), and the layout's ``keys``
+    are the whole model's, which ``train_state.json`` records and a load checks: so a
+    checkpoint holds one model, whatever pp saved it or loads it.
+    """
+    world = dist.get_world_size()
+    tp, pp = cfg.tp, cfg.pp
+    dp = cfg.dp if cfg.dp is not None else world // (tp * pp)
+    device = pick_device()
+    timeout = comm.timeout_of(cfg.comm_timeout)
+    mesh = init_pipeline_mesh(pp, dp, tp, device.type, timeout)
+    model = build_model(cfg).to(device)
+    if cfg.bf16:
+        model = model.to(torch.bfloat16)
+    model_keys = list(model.state_dict().keys())  # before the split: every stage's names
+    fsdp = dp > 1 and cfg.fsdp
+    pipe = build_pipeline(
+        model, mesh, cfg.batch // dp, cfg.seq, cfg.microbatches, fsdp=fsdp,
+        layer_counts=cfg.pp_layers,
+    )  # fmt: skip
+    stage = pipe.module.stage
+    layout = ckpt.model_layout(stage, mesh["tp"] if tp > 1 else None)
+    layout.keys = model_keys
+    slots, opt = make_optimizer(layout, cfg, tp)
+    norm_group = comm.group_over(mesh, ("pp", "dp"), timeout) if fsdp else mesh["pp"].get_group()
+    return Run(cfg, dp, tp, mesh, device, load_corpus(cfg.data), stage, pipe.module, opt,
+               layout, slots, fsdp, plan_bytes(stage), _dp_bytes(layout, dp, fsdp), pipe,
+               norm_group)  # fmt: skip

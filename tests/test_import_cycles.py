@@ -1,0 +1,103 @@
+"""No import circle in the package (issue 27, item 5), counting every import statement.
+
+An AST walk of every module under ``boost_compiler/``: module-level imports, imports inside
+functions (the usual way to hide a circle) and those under ``TYPE_CHECKING`` alike. An
+edge ``a -> b`` for each ``import b``/``from b import x`` (and ``from a import b`` when
+``b`` is a module); a package's ``__init__`` is a module like any other. Any strongly
+connected set of more than one module, or a module importing itself, is a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import boost_compiler
+
+ROOT = Path(boost_compiler.__file__).parent
+PKG = "boost_compiler"
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    is_pkg = path.name == "__init__.py"
+    here = name if is_pkg else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            subs = {f"{src}.{a.name}" for a in node.names if f"{src}.{a.name}" in modules}
+            out |= subs
+            if len(subs) < len(node.names):  # a name the module (or package) defines
+                out.add(src)
+    return {m for m in out if m in modules and m != PKG or m == name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module (or a self-import)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_check_sees_a_circle_hidden_in_a_function() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    tree = ast.parse("def f():\n    from .shadow import x\n")
+    assert isinstance(tree.body[0].body[0], ast.ImportFrom)  # what _imports walks into
+
+
+def test_no_import_circle_in_the_package() -> None:
+    graph = import_graph()
+    assert len(graph) > 90 and any(graph.values())
+    found = circles(graph)
+    assert not found, "\n".join(" <-> ".join(c) for c in found)
