@@ -16,6 +16,10 @@ Example::
         print(b.down, "->", b.up, f"{b.d_in} -> {b.rank} -> {b.d_out}", b.ops)
     compiled = torch.compile(model, backend="boost")   # no import needed for this line
     assert torch.allclose(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+
+The names here are the verbs (``detect``, ``explain``, ``parallelize``, ``to_low_rank``,
+...), what they return (``TPPlan``, ``Report``, ...), the options and ``BoostError``;
+every error the package raises is a ``BoostError`` subclass in :mod:`boost_compiler.errors`.
 """
 
 from __future__ import annotations
@@ -25,26 +29,7 @@ from .analysis.detect import detect
 from .analysis.report import bottleneck_table
 from .backend import boost_backend
 from .convert import ConversionReport, LayerConversion, LowRankLinear, to_low_rank
-from .errors import (
-    AlreadyParallelizedError,
-    BoostError,
-    CaptureError,
-    ConversionError,
-    HFFolderError,
-    HookAfterParallelizeError,
-    MeshError,
-    MutationError,
-    OptionError,
-    OptionTypeError,
-    ParallelModelCopyError,
-    PatternError,
-    RankError,
-    ShardingError,
-    StateDictError,
-    UncompiledFrameError,
-    UnknownOptionError,
-    UnsupportedModuleError,
-)
+from .errors import BoostError
 from .explain import Report, explain
 from .hf_io import from_pretrained
 from .ir.capture import CapturedGraph, capture
@@ -58,34 +43,17 @@ from .tp.state_dict import gather_state_dict, load_state_dict, reset_parameters
 __version__ = "0.1.0"
 
 __all__ = [
-    "AlreadyParallelizedError",
     "BoostError",
     "BoostOptions",
     "Bottleneck",
-    "CaptureError",
     "CapturedGraph",
-    "ConversionError",
     "ConversionReport",
-    "HFFolderError",
-    "HookAfterParallelizeError",
-    "ParallelModelCopyError",
     "LayerConversion",
     "LowRankLinear",
-    "MeshError",
-    "MutationError",
-    "OptionError",
-    "OptionTypeError",
     "ParallelState",
-    "PatternError",
     "Placement",
-    "RankError",
     "Report",
-    "ShardingError",
-    "StateDictError",
     "TPPlan",
-    "UncompiledFrameError",
-    "UnknownOptionError",
-    "UnsupportedModuleError",
     "boost_backend",
     "bottleneck_table",
     "capture",

@@ -288,7 +288,7 @@ def refuses_parameter_write(*, world: int, mesh: Any) -> dict[str, Any]:
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         boost_compiler.parallelize(model, mesh, _inputs())
-    except boost_compiler.MutationError as exc:
+    except boost_compiler.errors.MutationError as exc:
         unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         return {"error_type": type(exc).__name__, "message": str(exc), "unchanged": unchanged}
     return {"error_type": None}

@@ -97,7 +97,7 @@ def parallelize_twice(*, world: int, mesh: Any) -> dict[str, Any]:
         try:
             boost_compiler.parallelize(target, mesh, inputs if what == "model" else ())
             res[what] = None
-        except boost_compiler.AlreadyParallelizedError as exc:
+        except boost_compiler.errors.AlreadyParallelizedError as exc:
             res[what] = str(exc)
     res["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     return res

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from boost_compiler import BoostOptions, OptionTypeError, UnknownOptionError
+from boost_compiler import BoostOptions
 from boost_compiler.backend import boost_backend
+from boost_compiler.errors import OptionTypeError, UnknownOptionError
 
 from .conftest import ROOT
 

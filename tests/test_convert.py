@@ -212,7 +212,7 @@ def test_bad_input_names_the_module() -> None:
         to_low_rank(model, rank=16)
         boost_compiler.parallelize(model, dist.group.WORLD, (torch.randint(0, 96, (2, 8)),))
         for part in (model, model.mlp):  # the model, or a part of it (holding shards)
-            with pytest.raises(boost_compiler.ConversionError, match="before parallelize"):
+            with pytest.raises(boost_compiler.errors.ConversionError, match="before parallelize"):
                 to_low_rank(part)
 
 

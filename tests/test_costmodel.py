@@ -147,9 +147,9 @@ def test_alpha_beta_estimate_by_hand() -> None:
 
 
 def test_not_divisible_names_the_dimension() -> None:
-    with pytest.raises(boost_compiler.ShardingError, match=r"hidden size d = 4096.*tp=3"):
+    with pytest.raises(boost_compiler.errors.ShardingError, match=r"hidden size d = 4096.*tp=3"):
         cm.cost("7b", 3, batch=4, seq=4096)
-    with pytest.raises(boost_compiler.ShardingError, match=r"attention heads H = 24.*tp=16"):
+    with pytest.raises(boost_compiler.errors.ShardingError, match=r"attention heads H = 24.*tp=16"):
         cm.cost("3b", 16, batch=4, seq=4096)
 
 

@@ -75,9 +75,9 @@ def test_one_attribute_and_one_accessor() -> None:
             assert record is not None and record.fqn in state.params
             assert record.placement == model.boost_plan.params[record.fqn]
             assert [k for k in vars(local) if k.startswith("_boost")] == [ATTR]
-        with pytest.raises(boost_compiler.AlreadyParallelizedError):
+        with pytest.raises(boost_compiler.errors.AlreadyParallelizedError):
             boost_compiler.parallelize(model, dist.group.WORLD, ())
-        with pytest.raises(boost_compiler.AlreadyParallelizedError, match="shard"):
+        with pytest.raises(boost_compiler.errors.AlreadyParallelizedError, match="shard"):
             boost_compiler.parallelize(model.layers[0], dist.group.WORLD, ())
 
 
@@ -157,7 +157,7 @@ def test_load_state_dict_with_assign_reaches_the_shadow() -> None:
 def test_hooks_on_inner_modules_after_parallelize_raise(method: str, hook: Any) -> None:
     with fake_process_group(2):
         model, _ = _parallel()
-        with pytest.raises(boost_compiler.HookAfterParallelizeError, match="'layers.0.mlp'"):
+        with pytest.raises(boost_compiler.errors.HookAfterParallelizeError, match="'layers.0.mlp'"):
             getattr(model.layers[0].mlp, method)(hook)
 
 
@@ -252,7 +252,7 @@ def test_saving_or_copying_the_model_itself_is_refused_by_name(tmp_path: Any) ->
         model, _ = _parallel()
         for attempt in (lambda: torch.save(model, tmp_path / "m.pt"),
                         lambda: pickle.dumps(model), lambda: copy.deepcopy(model)):  # fmt: skip
-            with pytest.raises(boost_compiler.ParallelModelCopyError, match="gather_state_dict"):
+            with pytest.raises(boost_compiler.errors.ParallelModelCopyError, match="gather_state_dict"):
                 attempt()
         plain = build("tiny")
         torch.save(plain, tmp_path / "plain.pt")  # an unparallelized model still saves

@@ -88,7 +88,7 @@ def test_heads_not_divisible_raise_before_any_change() -> None:
     with fake_process_group(8):
         model = build("tiny")  # 4 heads
         before = {n: prm for n, prm in model.named_parameters()}
-        with pytest.raises(boost_compiler.ShardingError, match=r"p=8") as err:
+        with pytest.raises(boost_compiler.errors.ShardingError, match=r"p=8") as err:
             boost_compiler.parallelize(model, dist.group.WORLD, example_inputs(model.cfg))
         assert "attn" in str(err.value) or "dimension" in str(err.value)
         assert all(prm is before[n] for n, prm in model.named_parameters())
@@ -97,7 +97,7 @@ def test_heads_not_divisible_raise_before_any_change() -> None:
 def test_hidden_not_divisible_names_parameter() -> None:
     with fake_process_group(3):
         model = build("tiny")  # d = 64
-        with pytest.raises(boost_compiler.ShardingError, match=r"'embed.weight'.*size 64.*p=3"):
+        with pytest.raises(boost_compiler.errors.ShardingError, match=r"'embed.weight'.*size 64.*p=3"):
             boost_compiler.parallelize(model, dist.group.WORLD, example_inputs(model.cfg))
 
 
@@ -107,7 +107,7 @@ def test_two_dimensional_mesh_is_refused() -> None:
     with fake_process_group(4):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         model = build("tiny")
-        with pytest.raises(boost_compiler.MeshError, match="1-D.*mesh\\['tp'\\]"):
+        with pytest.raises(boost_compiler.errors.MeshError, match="1-D.*mesh\\['tp'\\]"):
             boost_compiler.parallelize(model, mesh, example_inputs(model.cfg))
 
 
@@ -115,7 +115,7 @@ def test_example_inputs_that_do_not_run() -> None:
     with fake_process_group(2):
         model = build("tiny")
         bad = (torch.randn(2, 16),)  # floats where token ids are expected
-        with pytest.raises(boost_compiler.CaptureError, match="did not run"):
+        with pytest.raises(boost_compiler.errors.CaptureError, match="did not run"):
             boost_compiler.parallelize(model, dist.group.WORLD, bad)
 
 
@@ -225,7 +225,7 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
                 assert torch.isfinite(run(x))  # compiled, not placeholders (fake group: no values)
                 torch._dynamo.reset()
                 monkeypatch.setattr(shadow, "SHADOW_RECOMPILE_LIMIT", 1)
-                with pytest.raises(boost_compiler.UncompiledFrameError, match="recompile limit"):
+                with pytest.raises(boost_compiler.errors.UncompiledFrameError, match="recompile limit"):
                     model(x)  # parallelize's own capture holds the frames' one entry
                     run(x)
                 assert torch._dynamo.config.fail_on_recompile_limit_hit is False
@@ -238,7 +238,7 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
                                           options={"lowering": "eager"})  # fmt: skip
                 # past the limit without the forward's flag: the frame runs as Python, and
                 # the placeholders themselves refuse to compute (they gave NaN before)
-                with pytest.raises(boost_compiler.UncompiledFrameError, match="placeholder"):
+                with pytest.raises(boost_compiler.errors.UncompiledFrameError, match="placeholder"):
                     unguarded(x)
         assert torch._dynamo.config.fail_on_recompile_limit_hit is previous
     finally:

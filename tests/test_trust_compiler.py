@@ -74,9 +74,9 @@ def test_the_placeholder_itself_refuses_every_operation() -> None:
         assert isinstance(ph, nn.Parameter) and tuple(ph.shape) == (4, 16)  # global shape
         for op in (lambda t: t + 1, lambda t: t.sum(), lambda t: t.detach().clone(),
                    lambda t: torch.randn(2, 16) @ t.T, lambda t: t.double()):  # fmt: skip
-            with pytest.raises(boost_compiler.UncompiledFrameError, match="'0.weight'"):
+            with pytest.raises(boost_compiler.errors.UncompiledFrameError, match="'0.weight'"):
                 op(ph)
-        with pytest.raises(boost_compiler.UncompiledFrameError):
+        with pytest.raises(boost_compiler.errors.UncompiledFrameError):
             shadow(torch.randn(2, 16))  # the shadow called directly, not through the model
         assert torch.isfinite(model(torch.randn(2, 16))).all()  # the model's own forward
 

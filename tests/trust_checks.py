@@ -69,7 +69,7 @@ def _exact_or_refused(
             model, ref, lambda m: m(*inputs), world=world, steps=2, lr=0.1,
             loss_of=H.probe_loss,
         )  # fmt: skip
-    except boost_compiler.UncompiledFrameError as exc:
+    except boost_compiler.errors.UncompiledFrameError as exc:
         return {"refused": f"UncompiledFrameError: {exc}"}
     return {**res, "fallbacks": model.boost_plan.fallbacks}
 

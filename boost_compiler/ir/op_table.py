@@ -96,6 +96,7 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "getitem": (operator.getitem,),
     "split": (torch.split, "split"),
     "chunk": (torch.chunk, "chunk"),
+    "unbind": (torch.unbind, "unbind"),
     "cat": (torch.cat,),
     "stack": (torch.stack,),
     "slice_scatter": (torch.slice_scatter,),

@@ -136,6 +136,13 @@ def same_shard(prop: Propagator, node: fx.Node) -> None:
     out = shape_of(node)
     pls = [prop.placement(a) for a in tensors]
     dims = {aligned(prop, a, out) for a, pl in zip(tensors, pls, strict=True) if pl.is_shard}
+    if (
+        len(dims) > 1
+        and None not in dims
+        and (found := _reshard_to_first(prop, node, tensors, out))
+    ):
+        tensors, dims = found
+        pls = [prop.placement(a) for a in tensors]
     if len(dims) != 1 or None in dims or P in pls or any(pl.blocks for pl in pls):
         return prop._fallback(node)
     [k] = dims
@@ -149,6 +156,27 @@ def same_shard(prop: Propagator, node: fx.Node) -> None:
             if j >= 0 and s[j] != 1:
                 node.replace_input_with(a, prop.to_shard(a, j, node))
     prop.set(node, S(k))
+
+
+def _reshard_to_first(
+    prop: Propagator, node: fx.Node, tensors: list[fx.Node], out: tuple
+) -> tuple[list[fx.Node], set[int]] | None:
+    """Inputs split on another dim than the first input's batch-like dim: gathered whole.
+
+    Multi-query attention: the queries are split on their heads, the one shared key/value
+    head (a block of the fused projection) on its feature dim. The caller then slices
+    each gathered input on the queries' heads, so every rank pairs its heads with the
+    whole shared head. Exact (a gather, then a slice). None (nothing done) unless the
+    first input is a shard on a dim the op batches over.
+    """
+    first = prop.placement(tensors[0])
+    k = aligned(prop, tensors[0], out) if first.is_shard and not first.blocks else None
+    if k is None or k >= len(out) - 2:
+        return None
+    for a in tensors[1:]:
+        if prop.placement(a).is_shard and aligned(prop, a, out) != k:
+            node.replace_input_with(a, prop.to_replicate(a, node, "to the queries' heads"))
+    return tensor_inputs(node), {k}
 
 
 # always: the embedding fixes its weight's split on first use.

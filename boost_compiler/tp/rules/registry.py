@@ -84,7 +84,6 @@ UNSUPPORTED: dict[str, str] = {
     "elu": _DETECTION_ONLY,
     "mish": _DETECTION_ONLY,
     "hardswish": _DETECTION_ONLY,
-    "t": "a weight transpose, read by contraction detection",
 }
 
 

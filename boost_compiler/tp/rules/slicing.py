@@ -39,6 +39,22 @@ def split(prop: Propagator, node: fx.Node) -> None:
     prop.set(node, pl)
 
 
+@rule("unbind")
+def unbind(prop: Propagator, node: fx.Node) -> None:
+    """unbind along a dim that is not the sharded one: every piece keeps the shard.
+
+    A fused projection viewed as ``(heads, 3, head_dim)`` and unbound into q, k, v: the
+    heads stay split, each rank unbinds its own heads' triples.
+    """
+    x = node.args[0]
+    pl = prop.placement(x)
+    nd = len(shape_of(x))
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
+    if pl.blocks or not isinstance(dim, int) or dim % nd == pl.dim:
+        return prop._fallback(node)
+    prop.set(node, S(pl.dim - (1 if dim % nd < pl.dim else 0)))
+
+
 def _split_blocks(prop: Propagator, node: fx.Node, pl: Placement) -> None:
     """Split a blocked shard into its blocks: local sizes, plain shards out."""
     if op_kind(node) == "split":  # chunk(n) already means 1/n locally

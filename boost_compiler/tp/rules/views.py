@@ -14,8 +14,8 @@ import torch.fx as fx
 
 from ...errors import ShardingError
 from ...ir.op_table import op_kind
-from ...ir.ops import shape_of
-from ..placement import S, shard_through_view
+from ...ir.ops import shape_of, weight_step
+from ..placement import R, S, shard_through_view
 from .core import describe
 from .registry import Propagator, rule
 
@@ -77,6 +77,33 @@ def dim_move(prop: Propagator, node: fx.Node) -> None:
     else:  # squeeze: which dims go depends on sizes, which the shard changes
         return prop._fallback(node)
     prop.set(node, S(k))
+
+
+def _of_open_parameter(prop: Propagator, node: fx.Node) -> bool:
+    """A 2-D transpose of a parameter whose placement is still open (``x @ self.weight.T``)."""
+    return bool(node.args) and prop.peek(node.args[0]) is None and weight_step(node) is not None
+
+
+@rule("t", "transpose", guard=_of_open_parameter, always=True)
+def open_weight_transpose(prop: Propagator, node: fx.Node) -> None:
+    """Leave the parameter open: the contraction that reads this transpose places it.
+
+    Placing it here would fix it replicated on its way to the layer (so ``x @ W.T``
+    gathered, where ``F.linear(x, W)`` is split); once the contraction splits the
+    parameter, the propagator moves this transpose's placement to the other dim.
+    """
+    prop.env[node] = R
+
+
+@rule("t")
+def transpose_2d(prop: Propagator, node: fx.Node) -> None:
+    """``x.t()``/``x.T`` of a shard: a 2-D tensor's shard moves to the other dim."""
+    x = node.args[0]
+    pl = prop.placement(x)
+    nd = len(shape_of(x) or ())
+    if pl.blocks or nd > 2:
+        return prop._fallback(node)
+    prop.set(node, S(1 - pl.dim) if nd == 2 else pl)
 
 
 @rule("view_as_complex", "view_as_real")
