@@ -252,7 +252,9 @@ def test_saving_or_copying_the_model_itself_is_refused_by_name(tmp_path: Any) ->
         model, _ = _parallel()
         for attempt in (lambda: torch.save(model, tmp_path / "m.pt"),
                         lambda: pickle.dumps(model), lambda: copy.deepcopy(model)):  # fmt: skip
-            with pytest.raises(boost_compiler.errors.ParallelModelCopyError, match="gather_state_dict"):
+            with pytest.raises(
+                boost_compiler.errors.ParallelModelCopyError, match="gather_state_dict"
+            ):
                 attempt()
         plain = build("tiny")
         torch.save(plain, tmp_path / "plain.pt")  # an unparallelized model still saves

@@ -97,7 +97,9 @@ def test_heads_not_divisible_raise_before_any_change() -> None:
 def test_hidden_not_divisible_names_parameter() -> None:
     with fake_process_group(3):
         model = build("tiny")  # d = 64
-        with pytest.raises(boost_compiler.errors.ShardingError, match=r"'embed.weight'.*size 64.*p=3"):
+        with pytest.raises(
+            boost_compiler.errors.ShardingError, match=r"'embed.weight'.*size 64.*p=3"
+        ):
             boost_compiler.parallelize(model, dist.group.WORLD, example_inputs(model.cfg))
 
 
@@ -225,7 +227,9 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
                 assert torch.isfinite(run(x))  # compiled, not placeholders (fake group: no values)
                 torch._dynamo.reset()
                 monkeypatch.setattr(shadow, "SHADOW_RECOMPILE_LIMIT", 1)
-                with pytest.raises(boost_compiler.errors.UncompiledFrameError, match="recompile limit"):
+                with pytest.raises(
+                    boost_compiler.errors.UncompiledFrameError, match="recompile limit"
+                ):
                     model(x)  # parallelize's own capture holds the frames' one entry
                     run(x)
                 assert torch._dynamo.config.fail_on_recompile_limit_hit is False
