@@ -20,7 +20,6 @@ only the ``dot`` program (Debian package ``graphviz``) for the SVGs.
 
 from __future__ import annotations
 
-import math
 import re
 import shutil
 import subprocess
@@ -78,7 +77,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def collective_bytes(c: Collective) -> int:
     """Payload bytes (the size of the reduced / gathered tensor, the cost model's convention)."""
-    return math.prod(int(x) for x in c.global_shape) * c.dtype.itemsize
+    return c.nbytes
 
 
 def direction(c: Collective) -> str:

@@ -221,17 +221,14 @@ class TPPlan:
         t = Table(title="collectives per step (captured example)", title_justify="left")
         for col in ("kind", "payload (global)", "count", "bytes each", "fwd", "bwd", "why"):
             t.add_column(col)
-        groups: dict[tuple, int] = {}
+        groups: dict[tuple, list[Collective]] = {}
         for c in self.collectives:
             if c.forward or c.backward:
                 key = (c.kind, tuple(c.global_shape), c.dtype, c.forward, c.backward, c.reason)
-                groups[key] = groups.get(key, 0) + 1
-        for (kind, shape, dtype, fwd, bwd, why), n in groups.items():
-            numel = 1
-            for size in shape:
-                numel *= int(size)
+                groups.setdefault(key, []).append(c)
+        for (kind, shape, _, fwd, bwd, why), found in groups.items():
             t.add_row(
-                kind, str(list(shape)), str(n), f"{numel * dtype.itemsize:,}",
+                kind, str(list(shape)), str(len(found)), f"{found[0].nbytes:,}",
                 "✓" if fwd else "", "✓" if bwd else "", why,
             )  # fmt: skip
         return t
