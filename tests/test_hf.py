@@ -223,7 +223,7 @@ class WrittenNorm(nn.Module):
 
 
 def test_written_rms_norm_becomes_one_sharded_norm() -> None:
-    from boost_compiler.tp import kernels as tp_ops
+    from boost_compiler.tp import sharded_ops as tp_ops
     from boost_compiler.tp.collectives import graph_collectives
 
     ids = torch.randint(0, 40, (2, 5))

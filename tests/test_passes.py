@@ -12,7 +12,7 @@ from boost_compiler import capture
 from boost_compiler.options import BoostOptions
 from boost_compiler.passes import PassContext
 from boost_compiler.passes.driver import run_pipeline
-from boost_compiler.tp import kernels as tp_ops
+from boost_compiler.tp import sharded_ops as tp_ops
 from tests import models
 
 

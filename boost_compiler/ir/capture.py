@@ -128,7 +128,7 @@ def capture(
     :class:`UncompiledFrameError`: a parallelized model would run that code on
     placeholders.
     """
-    from ..passes.mutation_ops import describe_write, written_inputs
+    from .writes import describe_write, written_inputs
 
     graphs: list[CapturedGraph] = []
 

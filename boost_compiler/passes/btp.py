@@ -36,7 +36,7 @@ class BottleneckTP(BoostPass):
     depends_on = (
         "boost_compiler.tp.propagate",
         *rules.MODULES,
-        "boost_compiler.tp.kernels",
+        "boost_compiler.tp.sharded_ops",
         "boost_compiler.tp.collectives",
     )
 

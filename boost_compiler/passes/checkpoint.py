@@ -50,7 +50,7 @@ class Checkpoint(BoostPass):
     name = "checkpoint"
     default = False
     allowed = ("lowrank", "full")
-    depends_on = ("boost_compiler.tp.kernels", "boost_compiler.tp.collectives")
+    depends_on = ("boost_compiler.tp.sharded_ops", "boost_compiler.tp.collectives")
 
     def run(self, graph: fx.Graph) -> None:
         mode = "lowrank" if self.setting is True else self.setting

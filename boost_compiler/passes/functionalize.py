@@ -36,8 +36,7 @@ import torch.fx as fx
 
 from ..errors import MutationError
 from ..ir.ops import shape_of, value_of
-from .base import BoostPass
-from .mutation_ops import (
+from ..ir.writes import (
     _IDENTITY_VIEWS,
     _INPLACE_OPERATOR,
     _RANDOM,
@@ -57,11 +56,12 @@ from .mutation_ops import (
     is_mutation,
     written_inputs,
 )
+from .base import BoostPass
 
 
 class Functionalize(BoostPass):
     name = "functionalize"
-    depends_on = ("boost_compiler.ir.ops", "boost_compiler.passes.mutation_ops")
+    depends_on = ("boost_compiler.ir.ops", "boost_compiler.ir.writes")
 
     def run(self, graph: fx.Graph) -> None:
         tp = self.ctx.tp is not None

@@ -11,7 +11,7 @@ merged) changes.
 * The up factors of those siblings read their replicated inputs through ONE
   ``copy_to_tp`` of the concatenated latents, so the backward all-reduces of
   ``dL/dh`` merge the same way. Up factors whose weights have one shape run
-  as one ``bmm`` on stacked weights (:func:`boost_compiler.tp.kernels.batched_linear`).
+  as one ``bmm`` on stacked weights (:func:`boost_compiler.tp.sharded_ops.batched_linear`).
 
 What Inductor already does: its ``batch_linear``/``batch_linear_lhs`` pre-grad
 fusions (TORCH_NOTES) batch same-shape linears, including ones sharing an
@@ -32,7 +32,7 @@ import torch.fx as fx
 from .._logging import get_logger
 from ..ir.ops import value_of
 from ..tp import collectives as C
-from ..tp import kernels as tp_ops
+from ..tp import sharded_ops as tp_ops
 from ._rewrite import (
     LINEAR,
     MATMUL,
@@ -51,7 +51,7 @@ log = get_logger(__name__)
 
 class GroupLinears(BoostPass):
     name = "group_linears"
-    depends_on = ("boost_compiler.passes._rewrite", "boost_compiler.tp.kernels")
+    depends_on = ("boost_compiler.passes._rewrite", "boost_compiler.tp.sharded_ops")
 
     def run(self, graph: fx.Graph) -> None:
         gm = graph.owning_module

@@ -5,8 +5,8 @@ consumer is a row-parallel down factor no longer has a collective of its own.
 The factors run on the un-normalised, weight-scaled shard, and ONE all-reduce
 carries ``[partial latents..., local statistics]``; the per-token scale
 (and for LayerNorm the mean correction) is applied after it
-(:func:`~boost_compiler.tp.kernels.online_rms_norm_reduce`,
-:func:`~boost_compiler.tp.kernels.online_layer_norm_reduce`; BOOST.md, "online norm").
+(:func:`~boost_compiler.tp.sharded_ops.online_rms_norm_reduce`,
+:func:`~boost_compiler.tp.sharded_ops.online_layer_norm_reduce`; BOOST.md, "online norm").
 
 Backward: the fused all-reduce is Megatron's g (its consumers are replicated),
 so its backward is the identity, and every other op of the rewrite is local:
@@ -24,7 +24,7 @@ import operator
 import torch.fx as fx
 
 from .._logging import get_logger
-from ..tp import kernels as tp_ops
+from ..tp import sharded_ops as tp_ops
 from ._rewrite import finish, reduce_of, weight_arg
 from .base import BoostPass
 
@@ -35,7 +35,7 @@ _NORMS = (tp_ops.sharded_rms_norm, tp_ops.sharded_layer_norm)
 
 class OnlineNorm(BoostPass):
     name = "online_norm"
-    depends_on = ("boost_compiler.passes._rewrite", "boost_compiler.tp.kernels")
+    depends_on = ("boost_compiler.passes._rewrite", "boost_compiler.tp.sharded_ops")
 
     def run(self, graph: fx.Graph) -> None:
         if self.ctx.tp is None:

@@ -2,7 +2,7 @@
 
 Invariant: every collective the compiler puts into a graph is a call of a
 primitive registered in :data:`COMMUNICATION` (with :func:`communicates`, beside
-the primitive in ``collectives.py`` or ``kernels.py``), whose rows give the kind,
+the primitive in ``collectives.py`` or ``sharded_ops.py``), whose rows give the kind,
 direction (forward, backward) and payload of each collective one call performs;
 :func:`graph_collectives` reads a graph's collectives off its nodes through this
 table, so the graph is their only record.
@@ -60,7 +60,7 @@ class Comm:
 
 #: Every primitive that communicates -> the collectives one call performs. Rows are
 #: added by :func:`communicates`, beside the primitive they describe (here and in
-#: ``kernels.py``); a graph's collectives are whatever its nodes call from here.
+#: ``sharded_ops.py``); a graph's collectives are whatever its nodes call from here.
 COMMUNICATION: dict[Callable[..., Any], tuple[Comm, ...]] = {}
 
 #: ``node.meta`` key a pass may set on a node it inserts to say why it communicates

@@ -50,7 +50,7 @@ def synchronise_rng(group: TPGroup) -> None:
     Why: the ranks then draw the same numbers in the same order, so dropout on
     a replicated (r-dim) tensor produces one mask everywhere and the replicas
     stay bit-identical; shards take their slice of a global mask
-    (:func:`~boost_compiler.tp.kernels.sharded_dropout`). Megatron's tensor-parallel
+    (:func:`~boost_compiler.tp.sharded_ops.sharded_dropout`). Megatron's tensor-parallel
     ranks share their default generator's seed for the same reason.
     """
     pg = dist.distributed_c10d._resolve_process_group(group.name)

@@ -33,7 +33,7 @@ from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
 from ..errors import MutationError, ShardingError
 from ..ir.ops import shape_of, value_of, weight_step
-from ..passes.mutation_ops import is_mutation
+from ..ir.writes import is_mutation
 from . import collectives as C
 from .collectives import Collective as Collective  # re-exported: the plan's records
 from .placement import P, Placement, R, S, unblock

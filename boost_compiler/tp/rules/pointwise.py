@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ...ir.ops import shape_of
-from .. import kernels as tp_ops
+from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
 from .core import aligned, tensor_inputs
 from .registry import Propagator, rule

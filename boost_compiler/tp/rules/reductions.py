@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ...ir.op_table import op_kind
 from ...ir.ops import shape_of, value_of
-from .. import kernels as tp_ops
+from .. import sharded_ops as tp_ops
 from ..placement import R, S
 from .core import is_cast, only_user, shard_arg
 from .registry import Propagator, rule

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ...ir.op_table import op_kind
 from ...ir.ops import Contraction, as_contraction, shape_of, value_of
 from .. import collectives as C
-from .. import kernels as tp_ops
+from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
 from .core import call_replicated
 from .registry import Propagator, rule
