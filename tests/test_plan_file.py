@@ -143,3 +143,20 @@ def test_an_edited_placement_that_fits_is_what_runs(tmp_path: Path) -> None:
     assert plan.rank_memory().params > decided.rank_memory().params
     assert {k: v for k, v in plan.params.items() if k != _DOWN} == {
         k: v for k, v in decided.params.items() if k != _DOWN}  # fmt: skip
+
+
+def test_the_plan_calls_only_the_head_a_vocabulary_head() -> None:
+    """A dense MLP split on its outputs before the loss is recorded as what it is."""
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = build("tiny", vocab_size=512)
+        for layer in model.layers:  # dense SwiGLU, low-rank attention
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                old = getattr(layer.mlp, name)
+                dense = torch.nn.Linear(old.down.in_features, old.up.out_features, bias=False)
+                setattr(layer.mlp, name, dense)
+        ids = example_inputs(model.cfg)
+        boost_compiler.parallelize(model, dist.group.WORLD, ids, {"labels": ids[0]})
+        decisions = model.boost_plan.decisions
+    assert decisions and not any("mlp" in d and "vocabulary" in d for d in decisions), decisions
+    assert any("mlp.gate_proj" in d and "column-parallel" in d for d in decisions), decisions

@@ -27,7 +27,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ...ir.op_table import op_kind
-from ...ir.ops import Contraction, as_contraction, shape_of, value_of
+from ...ir.ops import (
+    Contraction,
+    as_contraction,
+    is_elementwise_on_last_dim,
+    last_dim,
+    shape_of,
+    value_of,
+)
 from .. import collectives as C
 from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
@@ -69,6 +76,10 @@ def vocab_parallel_head(prop: Propagator, node: fx.Node, c: Contraction) -> bool
                 f"them costs more than the head ({per_byte:.0f} < {balance:.0f} FLOP/B)"
             )
             return False
+    if not _reaches_loss_as_logits(node):
+        # Split the same way (exact), but it is no head: say what it is, not "vocabulary".
+        return _split_head(prop, node, c, f"{name}: column-parallel (its {c.d_out} outputs "
+                           "split): its output reaches a cross-entropy through later layers")  # fmt: skip
     why = "its logits reach a cross-entropy"
     if leaves:
         why += " (and leave the graph: gathered once at the output)"
@@ -130,6 +141,29 @@ def _logit_uses(head: fx.Node, depth: int = 16) -> tuple[bool, bool]:
             elif d < depth:
                 frontier.append((user, d + 1))
     return bool(loss), leaves
+
+
+# Ops between a head and its loss that keep every logit where it is on the vocabulary
+# (the last) dim: casts, views, slices of other dims, element-wise scaling or soft-capping.
+_LOGIT_STEPS = {"getitem", "cast", "contiguous", "view", "reshape", "flatten"}
+
+
+def _reaches_loss_as_logits(head: fx.Node, depth: int = 16) -> bool:
+    """Whether ``F.cross_entropy`` reads ``head``'s output as its classes, through such ops."""
+    width = last_dim(head)
+    frontier, seen = [(head, 0)], {head}
+    while frontier:
+        node, d = frontier.pop()
+        for user in node.users:
+            if user in seen or last_dim(user) != width and op_kind(user) != "cross_entropy":
+                continue
+            seen.add(user)
+            if op_kind(user) == "cross_entropy":
+                if user.args and user.args[0] is node:
+                    return True
+            elif d < depth and (op_kind(user) in _LOGIT_STEPS or is_elementwise_on_last_dim(user)):
+                frontier.append((user, d + 1))
+    return False
 
 
 def tied_vocab_split(prop: Propagator, node: fx.Node, weight: fx.Node) -> bool:
