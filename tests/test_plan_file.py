@@ -97,6 +97,9 @@ _DOWN = "layers.0.attn.q_proj.down.weight"  # [16, 64]: r x d
         (lambda d: d["params"][_DOWN].update(placement="S(1, blocks=[61, 3])"),
          "splits size 61 over p=2"),
         (lambda d: d["params"][_DOWN].update(placement="S(1, blocks=[32, 30])"), "blocks sum"),
+        (lambda d: d["params"]["layers.0.attn_norm.weight"].update(placement="S(0, blocks=[32, 32])"),
+         "in blocks that no fused up factor reads"),
+        ("not a plan", "takes a TPPlan or the path"),
     ],
 )  # fmt: skip
 def test_a_plan_that_does_not_fit_is_refused_by_name_and_nothing_changes(
@@ -104,12 +107,12 @@ def test_a_plan_that_does_not_fit_is_refused_by_name_and_nothing_changes(
     edit,
     match: str,  # noqa: ANN001
 ) -> None:
-    path = _edit(_saved(tmp_path), edit)
+    path = _edit(_saved(tmp_path), edit) if callable(edit) else {"p": 2}
     with fake_process_group(2):
         torch.manual_seed(0)
         model = build("tiny")
         before = {n: (prm, prm.detach().clone()) for n, prm in model.named_parameters()}
-        with pytest.raises(PlanMismatchError, match=match):
+        with pytest.raises((PlanMismatchError, PlanFileError), match=match):
             boost_compiler.parallelize(model, dist.group.WORLD, example_inputs(model.cfg),
                                        plan=path)  # fmt: skip
     assert parallel_state(model) is None and not hasattr(model, "boost_plan")

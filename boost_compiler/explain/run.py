@@ -302,5 +302,8 @@ def _write(report: Report) -> None:
             svg = draw.render(text, dot_path)
             if svg is not None:
                 stage.files[f"{kind}.svg"] = svg
-    report.files["plan.json"] = report.plan.save(out / "plan.json", report.model_name)
+    if report.errors:  # a pass failed: the plan is partial, and forcing it would mislead
+        log.warning("explain: plan.json not written (%d pass error(s))", len(report.errors))
+    else:
+        report.files["plan.json"] = report.plan.save(out / "plan.json", report.model_name)
     report.files["report.html"] = write_html(report, out / "report.html")

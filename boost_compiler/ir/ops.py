@@ -93,8 +93,10 @@ def weight_step(node: fx.Node) -> str | None:
     kind = op_kind(node)
     if kind in _WEIGHT_CASTS:
         return "same"
-    if kind == "t" or (kind == "transpose" and _is_swap_2d(node)):
-        return "transpose"
+    if (kind == "t" and len(shape_of(node) or ()) == 2) or (
+        kind == "transpose" and _is_swap_2d(node)
+    ):
+        return "transpose"  # .mT of a 3-D stack, or .t() of a vector, is no 2-D transpose
     return None
 
 

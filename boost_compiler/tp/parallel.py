@@ -27,7 +27,7 @@ from torch import nn
 
 from .._logging import get_logger
 from ..backend import boost_backend
-from ..errors import AlreadyParallelizedError
+from ..errors import AlreadyParallelizedError, PlanFileError
 from ..ir.capture import CapturedGraph, capture
 from ..options import BoostOptions
 from ..passes import TP_REQUIRED, PassContext
@@ -38,7 +38,7 @@ from .groups import TPGroup, resolve_group
 from .placeholder import ShadowParam, make_placeholder
 from .placement import Placement, R
 from .plan import TPPlan, input_shapes
-from .plan_fit import check_fits
+from .plan_fit import check_blocks_fit, check_fits
 from .shadow import ParallelState, ShadowForward, attach, is_shard, mark_shard, parallel_state
 
 log = get_logger(__name__)
@@ -133,6 +133,8 @@ def parallelize(
     )  # fmt: skip
 
     decided = _plan(graphs, group, opts, forced)
+    if forced is not None:
+        check_blocks_fit(decided)
     # Every check above ran on the captured copy: nothing was modified before here.
     _shard_in_place(model, decided, group, dict(options or {}), rebindings)
     synchronise_rng(group)
@@ -153,6 +155,10 @@ def _forced_plan(
     """The plan whose placements ``parallelize(..., plan=)`` forces, checked to fit ``model``."""
     if plan is None:
         return None
+    if not isinstance(plan, (TPPlan, str, Path)):
+        raise PlanFileError(
+            f"plan= takes a TPPlan or the path of a saved plan, got {type(plan).__name__}"
+        )
     forced = plan if isinstance(plan, TPPlan) else TPPlan.load(plan)
     check_fits(forced, {n: tuple(prm.shape) for n, prm in model.named_parameters()}, group.size)
     return forced

@@ -27,6 +27,7 @@ from ..analysis.bottlenecks import Bottleneck
 from ..errors import PlanFileError
 from .collectives import Collective
 from .placement import Placement
+from .rules.registry import ShardingResult
 
 # The saved plan's format (TPPlan.save/load, boost explain's plan.json); a new version
 # when a field changes meaning.
@@ -165,7 +166,7 @@ class TPPlan:
         return plan
 
     def add_graph(
-        self, origin: str, inputs: tuple[str, ...], result: Any,
+        self, origin: str, inputs: tuple[str, ...], result: ShardingResult | None,
         bottlenecks: Sequence[Bottleneck], collectives: Sequence[Collective],
     ) -> GraphRecord:  # fmt: skip
         """Fold one rewritten graph of the captured example into the plan (parallelize, explain).
@@ -246,8 +247,16 @@ class TPPlan:
 
 
 def _collective_json(c: Collective) -> dict[str, Any]:
-    shape = [s if isinstance(s, int) else str(s) for s in c.global_shape]  # a SymInt as text
+    shape = [_size_json(s) for s in c.global_shape]
     return {**asdict(c), "global_shape": shape, "dtype": str(c.dtype).removeprefix("torch.")}
+
+
+def _size_json(size: Any) -> int | str:
+    """A size as an int: a symbolic one (a dynamic-shape graph's) at its example value."""
+    try:
+        return int(size)
+    except (TypeError, ValueError):
+        return str(size)
 
 
 def _collective(data: Mapping[str, Any]) -> Collective:

@@ -100,12 +100,15 @@ def _row_parallel(prop: Propagator, node: fx.Node, bias: fx.Node | None) -> None
         if user is not reduced:
             user.replace_input_with(node, reduced)
     if bias is not None:
+        # Added once to the full sum, so it must be whole: a bias fixed split (a forced
+        # plan) is gathered first.
+        if prop._decide(bias, R) != R:
+            bias = prop.to_replicate(bias, node, "row-parallel bias")
         with prop.graph.inserting_after(reduced):
             added = prop.graph.call_function(operator.add, (reduced, bias))
         for user in list(reduced.users):
             if user is not added:
                 user.replace_input_with(reduced, added)
-        prop._decide(bias, R)
         prop.env[added] = R
 
 

@@ -65,7 +65,8 @@ def vocab_parallel_head(prop: Propagator, node: fx.Node, c: Contraction) -> bool
     if not loss:
         return False
     name = prop.param_names[c.weight.name]
-    if leaves:
+    head = _reaches_loss_as_logits(node)
+    if leaves and head:
         elem = value_of(node).element_size()
         device = value_of(node).device.type
         per_byte = 6 * c.d_in / elem  # head FLOPs saved per logit byte gathered
@@ -76,7 +77,7 @@ def vocab_parallel_head(prop: Propagator, node: fx.Node, c: Contraction) -> bool
                 f"them costs more than the head ({per_byte:.0f} < {balance:.0f} FLOP/B)"
             )
             return False
-    if not _reaches_loss_as_logits(node):
+    if not head:
         # Split the same way (exact), but it is no head: say what it is, not "vocabulary".
         return _split_head(prop, node, c, f"{name}: column-parallel (its {c.d_out} outputs "
                            "split): its output reaches a cross-entropy through later layers")  # fmt: skip
@@ -89,8 +90,9 @@ def vocab_parallel_head(prop: Propagator, node: fx.Node, c: Contraction) -> bool
 def _split_head(prop: Propagator, node: fx.Node, c: Contraction, decision: str) -> bool:
     node.replace_input_with(c.input, prop.to_replicate(c.input, node, "vocab head"))
     prop._decide(c.weight, S(0 if c.weight_layout == "out_in" else 1))
-    if c.bias is not None:
-        prop._decide(c.bias, S(0))
+    if c.bias is not None and prop._decide(c.bias, S(0)) != S(0):
+        # A bias fixed otherwise (a forced plan): this rank's slice of the whole bias.
+        node.replace_input_with(c.bias, prop.to_shard(c.bias, 0, node))
     prop.set(node, S(len(shape_of(node)) - 1))
     if decision:
         prop.result.decisions.append(decision)
@@ -159,7 +161,7 @@ def _reaches_loss_as_logits(head: fx.Node, depth: int = 16) -> bool:
                 continue
             seen.add(user)
             if op_kind(user) == "cross_entropy":
-                if user.args and user.args[0] is node:
+                if (user.args[0] if user.args else user.kwargs.get("input")) is node:
                     return True
             elif d < depth and (op_kind(user) in _LOGIT_STEPS or is_elementwise_on_last_dim(user)):
                 frontier.append((user, d + 1))
