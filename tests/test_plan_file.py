@@ -152,6 +152,12 @@ def test_the_plan_calls_only_the_head_a_vocabulary_head() -> None:
     """A dense MLP split on its outputs before the loss is recorded as what it is."""
     with fake_process_group(2):
         torch.manual_seed(0)
+        cola = build("tiny", vocab_size=512)
+        ids = example_inputs(cola.cfg)
+        boost_compiler.parallelize(cola, dist.group.WORLD, ids, {"labels": ids[0]})
+        assert cola.boost_plan.decisions == [
+            "lm_head.weight: vocabulary-parallel head, its logits reach a cross-entropy"
+        ]
         model = build("tiny", vocab_size=512)
         for layer in model.layers:  # dense SwiGLU, low-rank attention
             for name in ("gate_proj", "up_proj", "down_proj"):
