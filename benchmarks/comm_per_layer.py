@@ -84,7 +84,22 @@ DEPTHS = (2, 4)
 # --------------------------------------------------------------------------- measurement
 
 
-def _spec(args: argparse.Namespace, n_layers: int) -> ModelSpec:
+def model_arguments(ap: argparse.ArgumentParser, vocab: int) -> None:
+    """The model's sizes and the run's limits, shared by the per-layer benchmarks."""
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--ff", type=int, default=688)
+    ap.add_argument("--rank", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=vocab)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--timeout", type=int, default=300, help="per collective (s); 2x per strategy")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def model_spec(args: argparse.Namespace, n_layers: int) -> ModelSpec:
     return ModelSpec(
         d=args.d, ff=args.ff, rank=args.rank, layers=n_layers, heads=args.heads,
         kv_heads=args.kv_heads, vocab=args.vocab, batch=args.batch, seq=args.seq,
@@ -92,7 +107,7 @@ def _spec(args: argparse.Namespace, n_layers: int) -> ModelSpec:
 
 
 def _make_model(strategy: str, n_layers: int, args: argparse.Namespace) -> nn.Module:
-    return make_model(strategy, _spec(args, n_layers))
+    return make_model(strategy, model_spec(args, n_layers))
 
 
 def _measure(strategy: str, n_layers: int, args: argparse.Namespace, mesh: Any, world: int) -> dict:
@@ -310,18 +325,8 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--d", type=int, default=256)
-    ap.add_argument("--ff", type=int, default=688)
-    ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
+    model_arguments(ap, vocab=256)
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
-    ap.add_argument("--timeout", type=int, default=300, help="per collective (s); 2x per strategy")
-    ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("-v", "--verbose", action="store_true", help="list every gloo event shape")
     args = ap.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]

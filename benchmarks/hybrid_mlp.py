@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the spawned workers import this script as benchmarks.hybrid_mlp
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.comm_per_layer import DEPTHS, _per_layer  # noqa: E402
+from benchmarks.comm_per_layer import DEPTHS, _per_layer, model_arguments, model_spec  # noqa: E402
 from boost_compiler.bench.harness import (  # noqa: E402
     BACKWARD_MARK,
     ModelSpec,
@@ -186,7 +186,7 @@ def plan_by_module(args: argparse.Namespace, n_layers: int = DEPTHS[0]) -> list[
     from boost_compiler.tp.collectives import graph_collectives
     from boost_compiler.tp.plan import TPPlan
 
-    model = make_hybrid(_spec(args, n_layers))
+    model = make_hybrid(model_spec(args, n_layers))
     (ids,) = example_inputs(model.cfg, batch=args.batch, seq=args.seq, seed=0)
     graphs = capture(model, (ids,), {"labels": ids})
     rows: list[dict[str, Any]] = []
@@ -210,13 +210,6 @@ def _collective(c: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _spec(args: argparse.Namespace, n_layers: int) -> ModelSpec:
-    return ModelSpec(
-        d=args.d, ff=args.ff, rank=args.rank, layers=n_layers, heads=args.heads,
-        kv_heads=args.kv_heads, vocab=args.vocab, batch=args.batch, seq=args.seq,
-    )  # fmt: skip
-
-
 def _plan_info(model: nn.Module) -> dict[str, Any]:
     """BOOST's plan: every collective (JSON-able), the MLP weights' placements, fallbacks."""
     plan = model.boost_plan
@@ -238,7 +231,7 @@ def _measure(strategy: str, n_layers: int, args: argparse.Namespace, mesh: Any, 
     from boost_compiler.models.cola_llama import example_inputs
 
     torch._dynamo.reset()
-    model = make_hybrid(_spec(args, n_layers))
+    model = make_hybrid(model_spec(args, n_layers))
     (ids,) = example_inputs(model.cfg, batch=args.batch, seq=args.seq, seed=0)
     ref_loss = copy.deepcopy(model)(ids, labels=ids).item()
 
@@ -453,18 +446,8 @@ def _report(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n", 1)[0])
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--d", type=int, default=256)
-    ap.add_argument("--ff", type=int, default=688)
-    ap.add_argument("--rank", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
+    model_arguments(ap, vocab=512)
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
-    ap.add_argument("--timeout", type=int, default=300, help="per collective (s); 2x per strategy")
-    ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("-v", "--verbose", action="store_true", help="every gloo event and collective")
     args = ap.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
