@@ -157,13 +157,13 @@ def _propagate(model: nn.Module, *inputs: torch.Tensor):
     """Capture one graph and run the sharding propagation for rank 0 of 2."""
     from boost_compiler.analysis.bottlenecks import find_bottlenecks
     from boost_compiler.ir.capture import capture
+    from boost_compiler.tp.apply import shard_graph
     from boost_compiler.tp.collectives import fake_process_group
-    from boost_compiler.tp.propagate import ShardingPropagator
 
     [g] = capture(model, inputs)
     with fake_process_group(2) as group:
         found = find_bottlenecks(g.gm, g.param_names)
-        result = ShardingPropagator(g.gm, g.param_names, found, 2, group, 0).run()
+        result = shard_graph(g.gm, g.param_names, found, 2, group, 0)
     return g.gm, result
 
 

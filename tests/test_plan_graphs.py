@@ -14,6 +14,7 @@ import boost_compiler
 from boost_compiler.models.cola_llama import build, example_inputs
 from boost_compiler.tp.groups import fake_process_group
 from boost_compiler.tp.rules import registry
+from boost_compiler.tp.strategy import RuleContext, Strategy, fallback
 
 
 def test_a_fallback_forced_in_a_recompile_is_in_the_plan_with_its_graph() -> None:
@@ -30,8 +31,8 @@ def test_a_fallback_forced_in_a_recompile_is_in_the_plan_with_its_graph() -> Non
         assert plan.fallbacks == []
 
         @registry.rule("mul")  # from now on the SwiGLU product falls back: later graphs only
-        def _gather(prop: registry.Propagator, node: torch.fx.Node) -> None:
-            prop._fallback(node)
+        def _gather(ctx: RuleContext, node: torch.fx.Node) -> Strategy:
+            return fallback()
 
         model(*example_inputs(model.cfg, seq=8))  # a new shape: dynamo recompiles
         recompiled = plan.graphs[-1]

@@ -24,7 +24,8 @@ from boost_compiler.ir import op_table
 from boost_compiler.tp.collectives import fake_process_group
 from boost_compiler.tp.placement import Placement, S
 from boost_compiler.tp.rules import registry
-from boost_compiler.tp.rules.registry import Propagator, rule
+from boost_compiler.tp.rules.registry import rule
+from boost_compiler.tp.strategy import RuleContext, Strategy
 
 
 @torch.library.custom_op("boost_test::scaled_silu", mutates_args=())
@@ -78,11 +79,11 @@ def test_a_rule_registered_outside_the_package_keeps_the_shard(scoped: None) -> 
     seen: list[Placement] = []
 
     @rule(TOY_KIND)
-    def same_placement(prop: Propagator, node: fx.Node) -> None:
+    def same_placement(ctx: RuleContext, node: fx.Node) -> Strategy:
         """Element-wise: each rank computes its shard of the output from its shard."""
-        pl = prop.placement(node.args[0])
+        pl = ctx.placement(node.args[0])
         seen.append(pl)
-        prop.set(node, pl)
+        return Strategy(out=pl)
 
     with_rule = _plan()
     assert with_rule.fallbacks == []

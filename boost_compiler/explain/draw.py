@@ -38,8 +38,8 @@ from ..analysis.bottlenecks import Bottleneck
 from ..ir.op_table import op_kind
 from ..ir.ops import op_name, value_of
 from ..tp import collectives as C
+from ..tp.collectives import Collective
 from ..tp.placement import Placement
-from ..tp.propagate import Collective
 
 log = get_logger(__name__)
 

@@ -14,9 +14,9 @@ from rich.text import Text
 from rich.tree import Tree
 
 from ..analysis.bottlenecks import Bottleneck
+from ..tp.collectives import Collective
 from ..tp.placement import Placement, R
 from ..tp.plan import TPPlan
-from ..tp.propagate import Collective
 from . import draw
 
 

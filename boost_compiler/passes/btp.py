@@ -22,8 +22,8 @@ import torch.fx as fx
 
 from .._logging import get_logger
 from ..tp import rules
+from ..tp.apply import shard_graph
 from ..tp.collectives import graph_collectives
-from ..tp.propagate import ShardingPropagator
 from .base import BoostPass
 
 log = get_logger(__name__)
@@ -34,7 +34,9 @@ class BottleneckTP(BoostPass):
     allowed = ("replicated_head",)
     # The rewritten graph calls into these by name: their code is part of the result.
     depends_on = (
-        "boost_compiler.tp.propagate",
+        "boost_compiler.tp.planner",
+        "boost_compiler.tp.apply",
+        "boost_compiler.tp.strategy",
         *rules.MODULES,
         "boost_compiler.tp.sharded_ops",
         "boost_compiler.tp.collectives",
@@ -46,7 +48,8 @@ class BottleneckTP(BoostPass):
             return
         gm = graph.owning_module
         assert gm is not None
-        result = ShardingPropagator(
+        # Rules decide (the planner changes nothing), then the one applier rewrites.
+        result = shard_graph(
             gm,
             self.ctx.param_names,
             self.ctx.bottlenecks,
@@ -55,7 +58,7 @@ class BottleneckTP(BoostPass):
             tp.rank,
             self.ctx.fixed,
             vocab_parallel=self.setting != "replicated_head",
-        ).run()
+        )
         self.ctx.notes["btp"] = result
         collectives = graph_collectives(graph)
         fwd = sum(c.forward for c in collectives)

@@ -10,7 +10,7 @@ stage module is parallelized on its own with
 Invariant: what crosses a stage boundary is this tp rank's hidden shard
 ``[b/m, s, d/tp]``, sent to the same tp rank of the next stage, and the pipelined
 step computes the single-device step exactly. Why a shard needs two conversions:
-``parallelize`` makes every graph output replicated (``tp/propagate.py``), so the
+``parallelize`` makes every graph output replicated (``tp/apply.py``), so the
 sender slices the stage's replicated output (``scatter_to_tp``, no forward
 communication) and the receiver all-gathers it over tp (``gather_from_tp``) before
 the next stage's graph slices it again; the P2P wire carries ``1/tp`` of the

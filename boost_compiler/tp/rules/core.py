@@ -1,12 +1,13 @@
 """Helpers the sharding-rule families share; no rule lives here.
 
-A rule receives one dynamo-graph node whose inputs already have placements,
-decides the node's placement from the op's semantics and the fake-tensor
-shapes (never from module or parameter names), converts inputs where the op
-needs it, and rewrites global size arguments to local ones. Invariant: a rule
-that cannot prove a sharded evaluation exact calls ``prop._fallback``, which
-gathers the inputs (exact, slower) and logs a warning naming the op; an op is
-never guessed at. The helpers below are the pieces several families use.
+A rule receives one dynamo-graph node whose inputs already have placements and
+returns a :class:`~boost_compiler.tp.strategy.Strategy`: the node's placement from
+the op's semantics and the fake-tensor shapes (never from module or parameter
+names), the placements it reads its inputs as, and its call with global size
+arguments made local. Invariant: a rule that cannot prove a sharded evaluation exact
+returns :func:`~boost_compiler.tp.strategy.fallback`, which gathers the inputs
+(exact, slower) and logs a warning naming the op; an op is never guessed at. The
+helpers below are the pieces several families use.
 """
 
 from __future__ import annotations
@@ -18,30 +19,32 @@ import torch.fx as fx
 
 from ...ir.op_table import op_kind
 from ...ir.ops import shape_of, value_of
-from ..placement import P, Placement, R
-from .registry import Propagator
+from ..placement import P, Placement, R, S
+from ..strategy import RuleContext, Strategy
 
 
-def aligned(prop: Propagator, a: fx.Node, out: tuple[Any, ...] | None) -> int | None:
+def aligned(ctx: RuleContext, a: fx.Node, out: tuple[Any, ...] | None) -> int | None:
     """The output dim that ``a``'s shard dim broadcasts to; None without shapes."""
-    pl, s = prop.placement(a), shape_of(a)
+    pl, s = ctx.placement(a), shape_of(a)
     if out is None or s is None:
         return None
     return pl.dim + (len(out) - len(s))
 
 
-def call_replicated(prop: Propagator, node: fx.Node, pl: Placement) -> None:
+def call_replicated(pl: Placement) -> Strategy:
     """Run the op on full values: its main input is ``pl``, replicated or partial."""
-    if pl == P:
-        prop._replicate_inputs(node)
-    prop.env[node] = R
+    return Strategy(out=R, whole=pl == P)
 
 
-def shard_arg(prop: Propagator, prm: Any, node: fx.Node) -> Any:
-    """A norm's replicated weight or bias, sliced to the hidden shard (no communication)."""
-    if isinstance(prm, fx.Node) and prop.placement(prm) == R:
-        return prop.to_shard(prm, 0, node)
-    return prm
+def shard_arg(ctx: RuleContext, s: Strategy, prm: Any) -> None:
+    """A norm's weight or bias read as the hidden shard: fixed so if open, else sliced
+    from the whole (no communication)."""
+    if not isinstance(prm, fx.Node):
+        return
+    if ctx.is_open(prm):
+        s.fix[prm] = S(0)
+    elif ctx.placement(prm) == R:
+        s.read(prm, S(0))
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:

@@ -17,8 +17,9 @@ import torch.fx as fx
 from ...ir.ops import shape_of
 from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
+from ..strategy import Call, RuleContext, Strategy, fallback
 from .core import aligned, tensor_inputs
-from .registry import Propagator, rule
+from .registry import rule
 
 ELEMENTWISE = (
     "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "exp",
@@ -32,45 +33,45 @@ ELEMENTWISE = (
 # always: with no input sharded a parameter operand stays undecided (peek), so a
 # later shard can still decide it (a norm weight multiplied in after the norm).
 @rule(*ELEMENTWISE, always=True)
-def elementwise(prop: Propagator, node: fx.Node) -> None:
+def elementwise(ctx: RuleContext, node: fx.Node) -> Strategy:
     out = shape_of(node)
     tensors = tensor_inputs(node)
-    if any(prop.peek(a) == P for a in tensors):
-        prop._replicate_inputs(node)
-    dims = {aligned(prop, a, out) for a in tensors if (pl := prop.peek(a)) and pl.is_shard}
+    if any(ctx.peek(a) == P for a in tensors):
+        return Strategy(out=R, whole=True)
+    dims = {aligned(ctx, a, out) for a in tensors if (pl := ctx.peek(a)) and pl.is_shard}
     if not dims:
-        prop.env[node] = R
-        return
+        return Strategy(out=R, keep_open=True)
     # None: a sharded input of an op with no tensor output (``torch.where(mask)``'s
     # index tuple): gathered, never called replicated on a shard.
     if out is None or len(dims) > 1 or None in dims:
-        return prop._fallback(node)
+        return fallback()
     [k] = dims
     nd = len(out)
+    s = Strategy(out=S(k))
     for a in tensors:
-        s = shape_of(a) or ()
-        j = k - (nd - len(s))  # the operand's dim aligned to output dim k
-        if j < 0 or s[j] == 1:
-            continue  # broadcast along the sharded dim: use it whole
-        if a in prop.undecided:
-            prop._decide(a, S(j))
-        elif prop.peek(a) == R:
-            node.replace_input_with(a, prop.to_shard(a, j, node))
-    prop.set(node, S(k))
+        sh = shape_of(a) or ()
+        j = k - (nd - len(sh))  # the operand's dim aligned to output dim k
+        if j < 0 or sh[j] == 1:
+            continue  # broadcast along the sharded dim: read whole (an open one is fixed so)
+        if ctx.is_open(a):
+            s.fix[a] = S(j)
+        elif ctx.peek(a) == R:
+            s.read(a, S(j))
+    return s
 
 
 NEW_TENSORS = ("new_empty", "new_zeros", "new_ones", "new_full")
 
 
 @rule(*NEW_TENSORS)
-def new_tensor(prop: Propagator, node: fx.Node) -> None:
+def new_tensor(ctx: RuleContext, node: fx.Node) -> Strategy:
     """``x.new_empty(sizes)`` of a shard: the shard's piece, made locally; else replicated.
 
     The values of ``x`` are never read, so nothing is gathered: a tensor with ``x``'s
     rank and ``x``'s global size on the shard dim is made at the local size there (a
     buffer the shard's values are written into, HF's MLA keys), anything else whole.
     """
-    x, pl = node.args[0], prop.placement(node.args[0])
+    x, pl = node.args[0], ctx.placement(node.args[0])
     full = node.op == "call_method" and node.target == "new_full"
     sizes = node.args[1] if full or len(node.args) == 2 else node.args[1:]
     if isinstance(sizes, int):
@@ -81,17 +82,17 @@ def new_tensor(prop: Propagator, node: fx.Node) -> None:
         or out[pl.dim] != src[pl.dim] or not isinstance(sizes, (tuple, list))
         or len(sizes) != len(out) or not isinstance(sizes[pl.dim], int)
     ):  # fmt: skip
-        prop.env[node] = R
-        return
+        return Strategy(out=R)
     local = list(sizes)
-    local[pl.dim] //= prop.p
+    local[pl.dim] //= ctx.p
     rest = node.args[2:] if full else ()
-    node.args = (x, tuple(local), *rest) if full or len(node.args) == 2 else (x, *local)
-    prop.env[node] = pl  # no input value is read: no copy_to_tp, nothing to sum back
+    args = (x, tuple(local), *rest) if full or len(node.args) == 2 else (x, *local)
+    # No input value is read: no copy_to_tp, nothing to sum back.
+    return Strategy(out=pl, call=Call(node.target, args, dict(node.kwargs), node.op), copy_in=False)
 
 
 @rule("dropout")
-def dropout(prop: Propagator, node: fx.Node) -> None:
+def dropout(ctx: RuleContext, node: fx.Node) -> Strategy:
     """Sharded input: :func:`tp_ops.sharded_dropout`, independent masks per shard.
 
     (A replicated input keeps plain dropout: synchronised RNG streams give
@@ -101,8 +102,6 @@ def dropout(prop: Propagator, node: fx.Node) -> None:
     bound = {"p": 0.5, "training": True, **dict(zip(names, node.args, strict=False))}
     bound.update(node.kwargs)
     x = bound["input"]
-    pl = prop.placement(x)
-    node.target = tp_ops.sharded_dropout
-    node.args = (x, bound["p"], bound["training"], pl.dim, prop.rank, prop.p)
-    node.kwargs = {}
-    prop.set(node, pl)
+    pl = ctx.placement(x)
+    args = (x, bound["p"], bound["training"], pl.dim, ctx.rank, ctx.p)
+    return Strategy(out=pl, call=Call(tp_ops.sharded_dropout, args))

@@ -18,14 +18,15 @@ from ...ir.op_table import op_kind
 from ...ir.ops import shape_of, value_of
 from .. import sharded_ops as tp_ops
 from ..placement import R, S
+from ..strategy import Call, Fuse, RuleContext, Strategy, fallback
 from .core import is_cast, only_user, shard_arg
-from .registry import Propagator, rule
+from .registry import rule
 
 
 @rule("sum", "mean")
-def reduction(prop: Propagator, node: fx.Node) -> None:
+def reduction(ctx: RuleContext, node: fx.Node) -> Strategy:
     x = node.args[0]
-    pl = prop.placement(x)
+    pl = ctx.placement(x)
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
     nd = len(shape_of(x))
     dims = (
@@ -36,57 +37,51 @@ def reduction(prop: Propagator, node: fx.Node) -> None:
     keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
     if dims is not None and pl.dim not in dims and not pl.blocks:
         # Over other dims only (batch, sequence): each rank reduces its own columns.
-        return prop.set(node, S(pl.dim - (0 if keepdim else sum(d < pl.dim for d in dims))))
+        return Strategy(out=S(pl.dim - (0 if keepdim else sum(d < pl.dim for d in dims))))
     if dims != {pl.dim}:
-        return prop._fallback(node)
-    if keepdim and pl.dim == nd - 1 and _written_rms_norm(prop, node, x):
-        return
+        return fallback()
+    if keepdim and pl.dim == nd - 1 and (norm := _written_rms_norm(ctx, node, x)) is not None:
+        return norm
     full = shape_of(x)[pl.dim]
     fn = tp_ops.sharded_mean if op_kind(node) == "mean" else tp_ops.sharded_sum
-    node.op, node.target = "call_function", fn
-    node.args, node.kwargs = (x, pl.dim, bool(keepdim), full, prop.group), {}
-    prop.env[node] = R
+    return Strategy(out=R, call=Call(fn, (x, pl.dim, bool(keepdim), full, ctx.group)))
 
 
 @rule("softmax")
-def softmax(prop: Propagator, node: fx.Node) -> None:
+def softmax(ctx: RuleContext, node: fx.Node) -> Strategy:
     """Along a dim that is not the sharded one: every row a rank normalises is whole."""
     x = node.args[0]
-    pl = prop.placement(x)
+    pl = ctx.placement(x)
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
     if pl.blocks or dim is None or dim % len(shape_of(x)) == pl.dim:
-        return prop._fallback(node)
-    prop.set(node, pl)
+        return fallback()
+    return Strategy(out=pl)
 
 
 @rule("rms_norm", "layer_norm")
-def norm(prop: Propagator, node: fx.Node) -> None:
+def norm(ctx: RuleContext, node: fx.Node) -> Strategy:
     x = node.args[0]
     nd = len(shape_of(node))
-    if prop.peek(x) != S(nd - 1) or len(node.args[1]) != 1:
-        prop._replicate_inputs(node)
-        prop.env[node] = R
-        return
+    if ctx.peek(x) != S(nd - 1) or len(node.args[1]) != 1:
+        return Strategy(out=R, whole=True)
     layer = op_kind(node) == "layer_norm"
     names = ("input", "normalized_shape", "weight", "bias", "eps")
     if not layer:
         names = ("input", "normalized_shape", "weight", "eps")
     bound = {**dict(zip(names, node.args, strict=False)), **node.kwargs}
     weight, bias, eps = bound.get("weight"), bound.get("bias"), bound.get("eps")
-    for prm in (weight, bias):
-        if isinstance(prm, fx.Node) and prm in prop.undecided:
-            prop._decide(prm, S(0))
-    w, b = shard_arg(prop, weight, node), shard_arg(prop, bias, node)
+    s = Strategy(out=S(nd - 1))
+    shard_arg(ctx, s, weight)
+    shard_arg(ctx, s, bias)
     d = node.args[1][0]
     if layer:
-        node.target, node.args = tp_ops.sharded_layer_norm, (x, w, b, eps, d, prop.group)
+        s.call = Call(tp_ops.sharded_layer_norm, (x, weight, bias, eps, d, ctx.group))
     else:
-        node.target, node.args = tp_ops.sharded_rms_norm, (x, w, eps, d, prop.group)
-    node.kwargs = {}
-    prop.set(node, S(nd - 1))
+        s.call = Call(tp_ops.sharded_rms_norm, (x, weight, eps, d, ctx.group))
+    return s
 
 
-def _written_rms_norm(prop: Propagator, mean: fx.Node, sq: fx.Node) -> bool:
+def _written_rms_norm(ctx: RuleContext, mean: fx.Node, sq: fx.Node) -> Strategy | None:
     """An RMSNorm written out (HF's ``LlamaRMSNorm``), made one sharded norm node.
 
     ``x * rsqrt(mean(x**2, -1, keepdim=True) + eps)``, optionally cast back to the
@@ -101,9 +96,9 @@ def _written_rms_norm(prop: Propagator, mean: fx.Node, sq: fx.Node) -> bool:
     dataflow only (every intermediate used once, eps a constant, ``x`` fp32);
     anything else keeps the generic rules.
     """
-    found = _rms_chain(prop, mean, sq)
+    found = _rms_chain(ctx, mean, sq)
     if found is None:
-        return False
+        return None
     x, xf, chain, eps = found
     end = chain[-1]
     d = shape_of(xf)[-1]
@@ -111,28 +106,18 @@ def _written_rms_norm(prop: Propagator, mean: fx.Node, sq: fx.Node) -> bool:
     wm = only_user(end)
     if wm is not None and op_kind(wm) == "mul" and end in wm.args and len(wm.args) == 2:
         w = wm.args[1] if wm.args[0] is end else wm.args[0]
-        if isinstance(w, fx.Node) and shape_of(w) == (d,) and prop.peek(w) in (None, R, S(0)):
+        if isinstance(w, fx.Node) and shape_of(w) == (d,) and ctx.peek(w) in (None, R, S(0)):
             weight, end = w, wm
             chain.append(wm)
-    if weight is not None and weight in prop.undecided:
-        prop._decide(weight, S(0))
-    with prop.graph.inserting_before(end):
-        norm = prop.graph.call_function(
-            tp_ops.sharded_rms_norm,
-            (x, shard_arg(prop, weight, end), float(eps), d, prop.group),
-        )
-    norm.meta = dict(end.meta)
-    end.replace_all_uses_with(norm)
-    for n in reversed(chain):
-        prop.graph.erase_node(n)
-    if x is not xf and not xf.users:
-        prop.graph.erase_node(xf)
-    prop.set(norm, S(len(shape_of(x)) - 1))
-    return True
+    s = Strategy(out=S(len(shape_of(x)) - 1))
+    shard_arg(ctx, s, weight)
+    s.call = Call(tp_ops.sharded_rms_norm, (x, weight, float(eps), d, ctx.group))
+    s.fuse = Fuse(end, tuple(chain), (xf,) if x is not xf else ())
+    return s
 
 
 def _rms_chain(
-    prop: Propagator, mean: fx.Node, sq: fx.Node
+    ctx: RuleContext, mean: fx.Node, sq: fx.Node
 ) -> tuple[fx.Node, fx.Node, list[fx.Node], float] | None:
     """``(x, xf, chain, eps)`` of ``xf * rsqrt(mean(xf**2) + eps)`` [cast back to x's dtype].
 
@@ -167,7 +152,7 @@ def _rms_chain(
             chain.append(cast)
     elif src is not None and value_of(src).dtype == torch.float32:
         x = src  # the upcast was a no-op
-    if prop.peek(x) != prop.peek(xf):
+    if ctx.peek(x) != ctx.peek(xf):
         x = xf  # (a cast is element-wise: only a defensive check)
         chain = chain[:5]
     return x, xf, chain, eps

@@ -1,16 +1,17 @@
 """The sharding-rule registry: op kind -> the rule that places a node of that kind.
 
-A rule is a function ``(prop, node) -> None`` registered with :func:`rule` for
-one or more op kinds of :mod:`~boost_compiler.ir.op_table`. Invariant: the
-propagator reaches rules only through :func:`rule_for`, which applies the one
-default every rule shares before dispatch: a node none of whose inputs is
-sharded is replicated without calling its rule (a partial input is all-reduced,
-an undecided parameter it reads is fixed replicated). A rule therefore runs
-only when some input is a shard, unless it registered with ``always=True``
-(rules that decide parameter placements, or leave them open, on replicated
-inputs). A node whose
-kind has no rule falls back in the propagator: its inputs are gathered, which
-is exact, and the plan lists it. Nothing here knows any op; the family modules
+A rule is a pure function ``(ctx, node) -> Strategy`` (``tp/strategy.py``) registered
+with :func:`rule` for one or more op kinds of :mod:`~boost_compiler.ir.op_table`: it
+reads the node and the placements in ``ctx`` and returns what it allows, and never
+changes a graph (``tests/test_rule_purity.py`` walks these modules' code). Invariant:
+the planner reaches rules only through :func:`rule_for`, which applies the one
+default every rule shares before dispatch: a node none of whose inputs is sharded is
+replicated without calling its rule (a partial input is all-reduced, an open
+parameter it reads is fixed replicated). A rule therefore runs only when some input
+is a shard, unless it registered with ``always=True`` (rules that decide parameter
+placements, or leave them open, on replicated inputs). A node whose kind has no rule
+falls back in the planner: its inputs are gathered, which is exact, and the plan
+lists it. Nothing here knows any op; the family modules
 (``pointwise``, ``matrix``, ``views``, ``slicing``, ``reductions``, ``vocab``)
 register themselves when :mod:`boost_compiler.tp.rules` is imported.
 """
@@ -20,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import torch.fx as fx
 
 from ...ir.op_table import op_kind, spellings_scope
-from ..placement import Placement, R
+from ..placement import Placement
+from ..strategy import RuleContext, Strategy
+from ..strategy import replicated as _replicated
 
 
 @dataclass
@@ -37,33 +39,8 @@ class ShardingResult:
     decisions: list[str] = field(default_factory=list)  # choices made, with their reason
 
 
-class Propagator(Protocol):
-    """What a rule may read and call on the propagator (``ShardingPropagator``)."""
-
-    graph: fx.Graph
-    param_names: dict[str, str]  # placeholder name -> parameter fqn
-    p: int
-    group: str
-    rank: int
-    role: dict[str, str]  # node name -> "down" | "up" (bottleneck ends)
-    env: dict[fx.Node, Placement]
-    undecided: set[fx.Node]  # parameter placeholders whose placement is still open
-    converted: dict[tuple[fx.Node, Placement], fx.Node]
-    result: ShardingResult
-    vocab_parallel: bool  # LM heads may be split on the vocabulary
-
-    def peek(self, arg: Any) -> Placement | None: ...
-    def placement(self, arg: Any) -> Placement: ...
-    def to_replicate(self, arg: Any, user: fx.Node, reason: str = "") -> Any: ...
-    def to_shard(self, arg: Any, dim: int, user: fx.Node) -> Any: ...
-    def set(self, node: fx.Node, placement: Placement) -> None: ...
-    def _decide(self, node: fx.Node, placement: Placement) -> Placement: ...
-    def _fallback(self, node: fx.Node) -> None: ...
-    def _replicate_inputs(self, node: fx.Node) -> None: ...
-
-
-RuleFn = Callable[[Propagator, fx.Node], None]
-Guard = Callable[[Propagator, fx.Node], bool]
+RuleFn = Callable[[RuleContext, fx.Node], Strategy]
+Guard = Callable[[RuleContext, fx.Node], bool]
 
 
 @dataclass(frozen=True)
@@ -90,9 +67,9 @@ UNSUPPORTED: dict[str, str] = {
 def rule(
     *kinds: str, guard: Guard | None = None, always: bool = False, reads_blocks: bool = False
 ) -> Callable[[RuleFn], RuleFn]:
-    """Register the decorated ``(prop, node) -> None`` as the rule for ``kinds``.
+    """Register the decorated ``(ctx, node) -> Strategy`` as the rule for ``kinds``.
 
-    ``guard``: the rule applies only to nodes for which ``guard(prop, node)``
+    ``guard``: the rule applies only to nodes for which ``guard(ctx, node)``
     holds (guarded rules are tried before unguarded ones of the same kind).
     ``always``: call the rule even when no input is sharded, for rules that
     decide parameters or act on replicated inputs. ``reads_blocks``: the op
@@ -118,25 +95,24 @@ def reads_blocks(node: fx.Node) -> bool:
     return op_kind(node) in _BLOCK_READERS
 
 
-def replicated(prop: Propagator, node: fx.Node) -> None:
+def replicated(ctx: RuleContext, node: fx.Node) -> Strategy:
     """The shared default: no input sharded, so the op runs on full values.
 
     Reading a parameter whole fixes it replicated; a partial input is summed
     first (defensive: a row-parallel output is reduced before any op reads it).
     """
-    prop._replicate_inputs(node)
-    prop.env[node] = R
+    return _replicated()
 
 
-def rule_for(prop: Propagator, node: fx.Node) -> RuleFn | None:
+def rule_for(ctx: RuleContext, node: fx.Node) -> RuleFn | None:
     """The rule to call for ``node``: :func:`replicated` when no input is sharded; None without one."""
     rules = _RULES.get(op_kind(node) or "", ())
-    found = next((r for r in rules if r.guard is not None and r.guard(prop, node)), None)
+    found = next((r for r in rules if r.guard is not None and r.guard(ctx, node)), None)
     found = found or next((r for r in rules if r.guard is None), None)
     if found is None:
         return None
     if not found.always and not any(
-        (pl := prop.peek(a)) is not None and pl.is_shard for a in node.all_input_nodes
+        (pl := ctx.peek(a)) is not None and pl.is_shard for a in node.all_input_nodes
     ):
         return replicated
     return found.fn

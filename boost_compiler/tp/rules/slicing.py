@@ -18,66 +18,66 @@ import torch.fx as fx
 from ...ir.op_table import op_kind
 from ...ir.ops import shape_of, value_of
 from ..placement import P, Placement, R, S
+from ..strategy import Call, Read, RuleContext, Strategy, fallback
 from .core import is_cast
-from .registry import Propagator, rule
+from .registry import rule
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 _RESHAPES = ("view", "reshape", "flatten")
-_PURE = ("clone", "contiguous", "expand")  # a dead chain of these computes nothing anyone reads
 
 
 @rule("split", "chunk", reads_blocks=True)
-def split(prop: Propagator, node: fx.Node) -> None:
+def split(ctx: RuleContext, node: fx.Node) -> Strategy:
     """chunk/split along a dim that is not the sharded one, or a blocked shard into its blocks."""
-    pl = prop.placement(node.args[0])
+    pl = ctx.placement(node.args[0])
     nd = len(shape_of(node.args[0]))
     dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
     if pl.blocks and split_sizes(node, pl.dim) == pl.blocks:
-        return _split_blocks(prop, node, pl)
+        return _split_blocks(ctx, node, pl)
     if pl.blocks or dim is None or dim % nd == pl.dim:
-        return prop._fallback(node)
-    prop.set(node, pl)
+        return fallback()
+    return Strategy(out=pl)
 
 
 @rule("unbind")
-def unbind(prop: Propagator, node: fx.Node) -> None:
+def unbind(ctx: RuleContext, node: fx.Node) -> Strategy:
     """unbind along a dim that is not the sharded one: every piece keeps the shard.
 
     A fused projection viewed as ``(heads, 3, head_dim)`` and unbound into q, k, v: the
     heads stay split, each rank unbinds its own heads' triples.
     """
     x = node.args[0]
-    pl = prop.placement(x)
+    pl = ctx.placement(x)
     nd = len(shape_of(x))
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
     if pl.blocks or not isinstance(dim, int) or dim % nd == pl.dim:
-        return prop._fallback(node)
-    prop.set(node, S(pl.dim - (1 if dim % nd < pl.dim else 0)))
+        return fallback()
+    return Strategy(out=S(pl.dim - (1 if dim % nd < pl.dim else 0)))
 
 
-def _split_blocks(prop: Propagator, node: fx.Node, pl: Placement) -> None:
+def _split_blocks(ctx: RuleContext, node: fx.Node, pl: Placement) -> Strategy:
     """Split a blocked shard into its blocks: local sizes, plain shards out."""
+    s = Strategy(out=S(pl.dim))
     if op_kind(node) == "split":  # chunk(n) already means 1/n locally
-        local = [size // prop.p for size in pl.blocks]
+        local = [size // ctx.p for size in pl.blocks]
         kwargs = dict(node.kwargs)
         for key in ("split_size", "split_size_or_sections"):
             kwargs.pop(key, None)
-        node.args, node.kwargs = (node.args[0], local, *node.args[2:]), kwargs
-    prop.set(node, S(pl.dim))
+        s.call = Call(node.target, (node.args[0], local, *node.args[2:]), kwargs, node.op)
+    return s
 
 
 @rule("getitem", reads_blocks=True)
-def getitem(prop: Propagator, node: fx.Node) -> None:
+def getitem(ctx: RuleContext, node: fx.Node) -> Strategy:
     src, idx = node.args
-    pl = prop.placement(src)
+    pl = ctx.placement(src)
     if not isinstance(value_of(src), torch.Tensor):
-        prop.env[node] = pl  # an element of chunk()/split(): same placement
-        return
-    if any(prop.placement(a) != R for a in node.all_input_nodes if a is not src):
-        return prop._fallback(node)  # an index tensor that differs per rank
+        return Strategy(out=pl, copy_in=False)  # an element of chunk()/split(): same placement
+    if any(ctx.placement(a) != R for a in node.all_input_nodes if a is not src):
+        return fallback()  # an index tensor that differs per rank
     idx = idx if isinstance(idx, tuple) else (idx,)
     if pl.blocks:
-        return _getitem_block(prop, node, src, idx, pl)
+        return _getitem_block(ctx, node, src, idx, pl)
     nd = len(shape_of(src))
     k = _dim_after_index(idx, pl.dim, nd)
     if k is None:
@@ -87,34 +87,19 @@ def getitem(prop: Propagator, node: fx.Node) -> None:
         k = _dim_after_tensor_index(idx, pl.dim, nd)
         out = shape_of(node)
         if k is None or out is None or out[k] != shape_of(src)[pl.dim]:
-            return prop._fallback(node)
+            return fallback()
         # Already gathered (a MoE router read the full hidden, through its own
         # reshape and cast): index that copy, free; the rows picked (top-k: k
         # per token) would cost k times more to gather later.
-        gathered = _gathered_copy(prop, src)
+        gathered = ctx.gathered(src)
         if gathered is not None:
-            node.replace_input_with(src, gathered)
-            prop.env[node] = R
-            return
-    prop.set(node, S(k))
-
-
-def _gathered_copy(prop: Propagator, src: fx.Node) -> fx.Node | None:
-    """A replicated node the propagator made earlier that holds ``src``'s values."""
-    root, shape, dtype = _same_values(src)
-    return next(
-        (
-            g
-            for (c, to), g in prop.converted.items()
-            if to == R and (same := _same_values(c))[0] is root and same[1:] == (shape, dtype)
-        ),
-        None,
-    )
+            return Strategy(out=R, reads={src: Read(R, via=gathered)})
+    return Strategy(out=S(k))
 
 
 def _getitem_block(
-    prop: Propagator, node: fx.Node, src: fx.Node, idx: tuple, pl: Placement
-) -> None:
+    ctx: RuleContext, node: fx.Node, src: fx.Node, idx: tuple, pl: Placement
+) -> Strategy:
     """A slice that is exactly one block of a blocked shard: that block's local columns."""
     nd = len(shape_of(src))
     span = last_dim_slice(idx, shape_of(src))
@@ -124,14 +109,14 @@ def _getitem_block(
         or span is None
         or span not in {(a, a + size) for a, size in zip(starts, pl.blocks, strict=True)}
     ):
-        return prop._fallback(node)
-    start, stop = span[0] // prop.p, span[1] // prop.p
-    node.args = (src, (*idx[:-1], slice(start, stop)))
-    prop.set(node, S(pl.dim))
+        return fallback()
+    start, stop = span[0] // ctx.p, span[1] // ctx.p
+    call = Call(node.target, (src, (*idx[:-1], slice(start, stop))), dict(node.kwargs), node.op)
+    return Strategy(out=S(pl.dim), call=call)
 
 
 @rule("cat", "stack")
-def cat(prop: Propagator, node: fx.Node) -> None:
+def cat(ctx: RuleContext, node: fx.Node) -> Strategy:
     """Concatenation along a dim other than the shard dim stays sharded.
 
     Replicated pieces are sliced to the same shard (no communication), so
@@ -143,54 +128,43 @@ def cat(prop: Propagator, node: fx.Node) -> None:
     tensors = [t for t in node.args[0] if not _legacy_empty(t)]
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
     nd = len(shape_of(node))
-    if any(prop.peek(t) == P for t in tensors):
-        prop._replicate_inputs(node)
-    pls = {prop.placement(t) for t in tensors}
-    if pls <= {R}:  # a partial piece was all-reduced, and so was every shard with it
-        prop.env[node] = R
-        return
+    if any(ctx.peek(t) == P for t in tensors):
+        return Strategy(out=R, whole=True)  # every shard read whole with the partial piece
+    pls = {ctx.placement(t) for t in tensors}
+    if pls <= {R}:
+        return Strategy(out=R)
     shards = pls - {R}
     if op_kind(node) == "stack":
         # A new dim at ``dim``: never the shard dim, which moves past it. Every
         # piece the same shape, each rank stacks its own columns of each.
         if len(shards) != 1 or (pl := next(iter(shards))).blocks:
-            return prop._fallback(node)
+            return fallback()
         d = dim % nd
-        _shard_replicated(prop, node, tensors, pl.dim)
-        return prop.set(node, S(pl.dim + (1 if pl.dim >= d else 0)))
+        s = Strategy(out=S(pl.dim + (1 if pl.dim >= d else 0)))
+        return _shard_replicated(ctx, s, tensors, pl.dim)
     if len(shards) != 1 or (pl := next(iter(shards))).dim == dim % nd:
-        return prop._fallback(node)
-    _shard_replicated(prop, node, tensors, pl.dim)
-    prop.set(node, pl)
+        return fallback()
+    return _shard_replicated(ctx, Strategy(out=pl), tensors, pl.dim)
 
 
-def _shard_replicated(prop: Propagator, node: fx.Node, tensors: list[Any], dim: int) -> None:
+def _shard_replicated(ctx: RuleContext, s: Strategy, tensors: list[Any], dim: int) -> Strategy:
     for t in tensors:
-        if prop.placement(t) == R:
-            _use_local_piece(prop, node, t, dim)
+        if isinstance(t, fx.Node) and ctx.placement(t) == R:
+            s.reads[t] = local_piece(ctx, t, dim)
+    return s
 
 
-def _use_local_piece(prop: Propagator, node: fx.Node, t: fx.Node, dim: int) -> None:
-    """``node`` reads :func:`_local_piece` of ``t``; a full broadcast no one reads is dropped."""
-    node.replace_input_with(t, _local_piece(prop, t, dim, node))
-    dead = t
-    while dead.op in ("call_function", "call_method") and not dead.users and op_kind(dead) in _PURE:
-        nxt = dead.args[0]
-        prop.graph.erase_node(dead)  # walked already, and nothing reads it any more
-        if not isinstance(nxt, fx.Node):
-            break
-        dead = nxt
-
-
-def _local_piece(prop: Propagator, t: fx.Node, dim: int, user: fx.Node) -> Any:
-    """This rank's piece of a replicated ``t`` along ``dim``: sliced, or broadcast locally.
+def local_piece(ctx: RuleContext, t: fx.Node, dim: int) -> Read:
+    """How to read this rank's piece of a replicated ``t`` along ``dim``: sliced, or
+    broadcast locally.
 
     MLA's shared rotary key ``k_pe`` (``[b, 1, s, rope]``, replicated after the latent
     all-reduce) is expanded to every head and joined to the head-sharded keys. Slicing
     the expanded value (``scatter_to_tp``) is free forward but all-gathers
     ``[b, H, s, rope]`` in the backward; expanding ``k_pe`` to the local heads instead
     reads it through ``copy_to_tp`` (f), whose backward all-reduces ``[b, 1, s, rope]``,
-    an ``H``-th of that. Same values: every head's piece is the same ``k_pe``.
+    an ``H``-th of that. Same values: every head's piece is the same ``k_pe``. (The
+    applier drops the full broadcast if no one else reads it.)
     """
     src = t
     while op_kind(src) in ("clone", "contiguous") and len(src.all_input_nodes) == 1:
@@ -202,55 +176,50 @@ def _local_piece(prop: Propagator, t: fx.Node, dim: int, user: fx.Node) -> Any:
         sizes = tuple(sizes[0])
     j = dim - (len(out) - len(base_shape)) if base_shape and out else -1
     if (
-        base is None or out is None or src.kwargs or prop.placement(base) != R
+        base is None or out is None or src.kwargs or ctx.placement(base) != R
         or len(sizes) != len(out)
-        or not isinstance(out[dim], int) or out[dim] % prop.p or (j >= 0 and base_shape[j] != 1)
+        or not isinstance(out[dim], int) or out[dim] % ctx.p or (j >= 0 and base_shape[j] != 1)
     ):  # fmt: skip
-        return prop.to_shard(t, dim, user)  # not a broadcast along dim: slice it
+        return Read(S(dim))  # not a broadcast along dim: slice it
     local = list(sizes)
-    local[dim] = out[dim] // prop.p
-    with prop.graph.inserting_before(user):
-        piece = prop.graph.call_method("expand", (base, *local))
-    piece.meta["example_value"] = value_of(src)  # global shapes, as every node's
-    prop.set(piece, S(dim))  # f on the replicated base: its gradient sums the heads' parts
-    return piece
+    local[dim] = out[dim] // ctx.p
+    return Read(S(dim), expand=(base, tuple(local)))
 
 
 @rule("slice_scatter", "select_scatter")
-def scatter(prop: Propagator, node: fx.Node) -> None:
+def scatter(ctx: RuleContext, node: fx.Node) -> Strategy:
     """``slice_scatter``/``select_scatter`` (written by ``functionalize``) off the shard dim."""
     base, src = node.args[0], node.args[1]
-    if P in (prop.peek(base), prop.peek(src)):
-        prop._replicate_inputs(node)
-        base, src = node.args[0], node.args[1]
+    if P in (ctx.peek(base), ctx.peek(src)):
+        # Summed first: then a shard read whole with it, and the op on full values.
+        return Strategy(out=R, whole=True)
     nd = len(shape_of(base))
     dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0) % nd
-    pb, ps = prop.placement(base), prop.placement(src)
-    if pb == R and ps == R:  # a partial input was all-reduced, and the shard with it
-        prop.env[node] = R
-        return
+    pb, ps = ctx.placement(base), ctx.placement(src)
+    if pb == R and ps == R:
+        return Strategy(out=R)
     select = op_kind(node) == "select_scatter"
     k = pb.dim if pb.is_shard else ps.dim + (1 if select and ps.dim >= dim else 0)
     k_src = k - (1 if select and k > dim else 0)  # src lacks the selected dim
     if k == dim or pb.blocks or ps.blocks or pb not in (R, S(k)) or ps not in (R, S(k_src)):
-        return prop._fallback(node)
+        return fallback()
+    s = Strategy(out=S(k))
     if pb == R:
-        node.replace_input_with(base, prop.to_shard(base, k, node))
-    if ps == R:
-        _use_local_piece(prop, node, src, k_src)
-    prop.set(node, S(k))
+        s.read(base, S(k))
+    if ps == R and isinstance(src, fx.Node):
+        s.reads[src] = local_piece(ctx, src, k_src)
+    return s
 
 
-def _is_input_write(prop: Propagator, node: fx.Node) -> bool:
+def _is_input_write(ctx: RuleContext, node: fx.Node) -> bool:
     return bool(node.meta.get("boost_input_write"))
 
 
 @rule("copy_", guard=_is_input_write)
-def input_write(prop: Propagator, node: fx.Node) -> None:
+def input_write(ctx: RuleContext, node: fx.Node) -> Strategy:
     """The ``copy_`` into a mutated graph input that ``functionalize`` appends: the full value."""
     target, value = node.args
-    node.args = (target, prop.to_replicate(value, node, "input write"))
-    prop.env[node] = R
+    return Strategy(out=R).read(value, R, "input write")
 
 
 # -- index geometry ----------------------------------------------------------------
@@ -361,7 +330,7 @@ def _dim_after_tensor_index(idx: tuple[Any, ...], dim: int, nd: int) -> int | No
     return dim if dim < at else dim + index.dim() - 1
 
 
-def _same_values(node: fx.Node) -> tuple[fx.Node, tuple[Any, ...], Any]:
+def same_values(node: fx.Node) -> tuple[fx.Node, tuple[Any, ...], Any]:
     """``(root, shape, dtype)``: equal for two nodes that hold the same values.
 
     ``root`` is reached through reshapes (row-major: the values depend only on the

@@ -16,8 +16,9 @@ from ...errors import ShardingError
 from ...ir.op_table import op_kind
 from ...ir.ops import shape_of, weight_step
 from ..placement import R, S, shard_through_view
+from ..strategy import Call, RuleContext, Strategy, fallback
 from .core import describe
-from .registry import Propagator, rule
+from .registry import rule
 
 
 def _sizes(node: fx.Node) -> tuple:
@@ -29,40 +30,43 @@ def _sizes(node: fx.Node) -> tuple:
 
 
 @rule("view", "reshape", "flatten")
-def view(prop: Propagator, node: fx.Node) -> None:
+def view(ctx: RuleContext, node: fx.Node) -> Strategy:
     x = node.args[0]
-    pl = prop.placement(x)
+    pl = ctx.placement(x)
     src, dst = shape_of(x), shape_of(node)
-    moved = shard_through_view(src, dst, pl.dim, prop.p)
+    moved = shard_through_view(src, dst, pl.dim, ctx.p)
     if op_kind(node) == "flatten":
         # Its arguments are dims, not sizes: the same call flattens the local
         # shard. Exact when the shard dim leads its merged group (or is outside
         # it), which shard_through_view checks: each rank's block stays whole.
-        if moved is None or moved[1] % prop.p:
-            return prop._fallback(node)
-        return prop.set(node, S(moved[0]))
+        if moved is None or moved[1] % ctx.p:
+            return fallback()
+        return Strategy(out=S(moved[0]))
     sizes = _sizes(node)
     if moved is None or len(sizes) != len(dst):
-        return prop._fallback(node)
+        return fallback()
     k, divisor = moved
-    if divisor % prop.p:
+    if divisor % ctx.p:
         raise ShardingError(
             f"{describe(node)}: dimension {k} of size {divisor} (heads or hidden) is not "
-            f"divisible by the tensor-parallel degree p={prop.p}"
+            f"divisible by the tensor-parallel degree p={ctx.p}"
         )
     new_sizes = list(sizes)
     if isinstance(new_sizes[k], int) and new_sizes[k] != -1:
-        new_sizes[k] //= prop.p
+        new_sizes[k] //= ctx.p
     elif not (isinstance(new_sizes[k], int) and new_sizes[k] == -1):
-        return prop._fallback(node)
-    node.args = (x, *new_sizes)
-    prop.set(node, S(k))
+        return fallback()
+    return Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
+
+
+def _with_args(node: fx.Node, args: tuple) -> Call:
+    return Call(node.target, args, dict(node.kwargs), node.op)
 
 
 @rule("transpose", "permute", "unsqueeze", "squeeze")
-def dim_move(prop: Propagator, node: fx.Node) -> None:
+def dim_move(ctx: RuleContext, node: fx.Node) -> Strategy:
     x = node.args[0]
-    pl = prop.placement(x)
+    pl = ctx.placement(x)
     src, dst = len(shape_of(x)), len(shape_of(node))
     kind = op_kind(node)
     if kind == "transpose":
@@ -75,39 +79,39 @@ def dim_move(prop: Propagator, node: fx.Node) -> None:
         u = node.args[1] % dst
         k = pl.dim + (1 if u <= pl.dim else 0)
     else:  # squeeze: which dims go depends on sizes, which the shard changes
-        return prop._fallback(node)
-    prop.set(node, S(k))
+        return fallback()
+    return Strategy(out=S(k))
 
 
-def _of_open_parameter(prop: Propagator, node: fx.Node) -> bool:
+def _of_open_parameter(ctx: RuleContext, node: fx.Node) -> bool:
     """A 2-D transpose of a parameter whose placement is still open (``x @ self.weight.T``)."""
-    return bool(node.args) and prop.peek(node.args[0]) is None and weight_step(node) is not None
+    return bool(node.args) and ctx.is_open(node.args[0]) and weight_step(node) is not None
 
 
 @rule("t", "transpose", guard=_of_open_parameter, always=True)
-def open_weight_transpose(prop: Propagator, node: fx.Node) -> None:
+def open_weight_transpose(ctx: RuleContext, node: fx.Node) -> Strategy:
     """Leave the parameter open: the contraction that reads this transpose places it.
 
     Placing it here would fix it replicated on its way to the layer (so ``x @ W.T``
     gathered, where ``F.linear(x, W)`` is split); once the contraction splits the
-    parameter, the propagator moves this transpose's placement to the other dim.
+    parameter, the planner's second walk plans this transpose of the shard.
     """
-    prop.env[node] = R
+    return Strategy(out=R, keep_open=True)
 
 
 @rule("t")
-def transpose_2d(prop: Propagator, node: fx.Node) -> None:
+def transpose_2d(ctx: RuleContext, node: fx.Node) -> Strategy:
     """``x.t()``/``x.T`` of a shard: a 2-D tensor's shard moves to the other dim."""
     x = node.args[0]
-    pl = prop.placement(x)
+    pl = ctx.placement(x)
     nd = len(shape_of(x) or ())
     if pl.blocks or nd > 2:
-        return prop._fallback(node)
-    prop.set(node, S(1 - pl.dim) if nd == 2 else pl)
+        return fallback()
+    return Strategy(out=S(1 - pl.dim) if nd == 2 else pl)
 
 
 @rule("view_as_complex", "view_as_real")
-def complex_view(prop: Propagator, node: fx.Node) -> None:
+def complex_view(ctx: RuleContext, node: fx.Node) -> Strategy:
     """The complex form of rotary embeddings (Meta's and torchtitan's Llama).
 
     ``view_as_complex`` pairs the last dim (size 2) into one complex element and
@@ -116,15 +120,15 @@ def complex_view(prop: Propagator, node: fx.Node) -> None:
     the complex multiply by a replicated ``freqs_cis`` between them is element-wise.
     Only a shard of the size-2 pair itself is not local.
     """
-    pl = prop.placement(node.args[0])
+    pl = ctx.placement(node.args[0])
     pair = len(shape_of(node.args[0])) - 1
     if pl.blocks or (op_kind(node) == "view_as_complex" and pl.dim == pair):
-        return prop._fallback(node)
-    prop.set(node, S(pl.dim))
+        return fallback()
+    return Strategy(out=S(pl.dim))
 
 
 @rule("expand")
-def expand(prop: Propagator, node: fx.Node) -> None:
+def expand(ctx: RuleContext, node: fx.Node) -> Strategy:
     """``expand`` broadcasts size-1 dims and adds leading ones; a sharded dim keeps its size.
 
     HF's ``repeat_kv`` (``kv[:, :, None].expand(b, h_kv, n_rep, s, d)``, then a
@@ -134,24 +138,23 @@ def expand(prop: Propagator, node: fx.Node) -> None:
     which is the local size on every rank.
     """
     x = node.args[0]
-    pl = prop.placement(x)
+    pl = ctx.placement(x)
     sizes = _sizes(node)
     out = shape_of(node)
     k = pl.dim + len(out) - len(shape_of(x))
     if len(sizes) != len(out) or node.kwargs:
-        return prop._fallback(node)
+        return fallback()
     new_sizes = list(sizes)
     new_sizes[k] = -1
-    node.args = (x, *new_sizes)
-    prop.set(node, S(k))
+    return Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
 
 
 @rule("repeat_interleave")
-def repeat_interleave(prop: Propagator, node: fx.Node) -> None:
+def repeat_interleave(ctx: RuleContext, node: fx.Node) -> Strategy:
     """Along any dim of a plain shard: along the head dim, local kv head ``j`` serves
     local q heads ``[j*n_rep, (j+1)*n_rep)``, so contiguous head blocks stay aligned."""
-    pl = prop.placement(node.args[0])
+    pl = ctx.placement(node.args[0])
     dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
     if pl.blocks or dim is None:
-        return prop._fallback(node)
-    prop.set(node, pl)
+        return fallback()
+    return Strategy(out=pl)

@@ -35,11 +35,11 @@ from ...ir.ops import (
     shape_of,
     value_of,
 )
-from .. import collectives as C
 from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
+from ..strategy import Call, RuleContext, Strategy, Then, fallback
 from .core import call_replicated
-from .registry import Propagator, rule
+from .registry import rule
 
 _LOSS_SIGNATURE = inspect.signature(F.cross_entropy)
 _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
@@ -49,22 +49,22 @@ _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
 _BALANCE = {"cuda": 2000.0, "cpu": 25.0}
 
 
-def vocab_parallel_head(prop: Propagator, node: fx.Node, c: Contraction) -> bool:
+def vocab_parallel_head(ctx: RuleContext, node: fx.Node, c: Contraction) -> Strategy | None:
     """Split a dense head on its output (vocabulary) dim if its logits reach a loss.
 
-    The decision is made once, by ``parallelize`` (the weight is undecided);
-    a graph compiled later for the same model finds the weight already split
-    on the vocabulary and follows it, whatever the call computes.
+    The decision is made once, by ``parallelize`` (the weight is open); a graph
+    compiled later for the same model finds the weight already split on the
+    vocabulary and follows it, whatever the call computes. None: not such a head.
     """
     vocab_dim = 0 if c.weight_layout == "out_in" else 1
-    if c.weight not in prop.undecided:
-        return prop.env.get(c.weight) == S(vocab_dim) and _split_head(prop, node, c, "")
-    if c.d_out % prop.p or not prop.vocab_parallel:
-        return False  # V does not divide (or the option says so): the head stays whole
+    if not ctx.is_open(c.weight):
+        return _split_head(ctx, node, c, "") if ctx.placement(c.weight) == S(vocab_dim) else None
+    if c.d_out % ctx.p or not ctx.vocab_parallel:
+        return None  # V does not divide (or the option says so): the head stays whole
     loss, leaves = _logit_uses(node)
     if not loss:
-        return False
-    name = prop.param_names[c.weight.name]
+        return None
+    name = ctx.param_name(c.weight)
     head = _reaches_loss_as_logits(node)
     if leaves and head:
         elem = value_of(node).element_size()
@@ -72,57 +72,57 @@ def vocab_parallel_head(prop: Propagator, node: fx.Node, c: Contraction) -> bool
         per_byte = 6 * c.d_in / elem  # head FLOPs saved per logit byte gathered
         balance = _BALANCE.get(device, _BALANCE["cuda"])
         if per_byte < balance:
-            prop.result.decisions.append(
+            whole = Strategy(out=R, whole=True)
+            whole.note = (
                 f"{name}: replicated head: the logits leave the graph, and gathering "
                 f"them costs more than the head ({per_byte:.0f} < {balance:.0f} FLOP/B)"
             )
-            return False
+            return whole
     if not head:
         # Split the same way (exact), but it is no head: say what it is, not "vocabulary".
-        return _split_head(prop, node, c, f"{name}: column-parallel (its {c.d_out} outputs "
+        return _split_head(ctx, node, c, f"{name}: column-parallel (its {c.d_out} outputs "
                            "split): its output reaches a cross-entropy through later layers")  # fmt: skip
     why = "its logits reach a cross-entropy"
     if leaves:
         why += " (and leave the graph: gathered once at the output)"
-    return _split_head(prop, node, c, f"{name}: vocabulary-parallel head, {why}")
+    return _split_head(ctx, node, c, f"{name}: vocabulary-parallel head, {why}")
 
 
-def _split_head(prop: Propagator, node: fx.Node, c: Contraction, decision: str) -> bool:
-    node.replace_input_with(c.input, prop.to_replicate(c.input, node, "vocab head"))
-    prop._decide(c.weight, S(0 if c.weight_layout == "out_in" else 1))
-    if c.bias is not None and prop._decide(c.bias, S(0)) != S(0):
-        # A bias fixed otherwise (a forced plan): this rank's slice of the whole bias.
-        node.replace_input_with(c.bias, prop.to_shard(c.bias, 0, node))
-    prop.set(node, S(len(shape_of(node)) - 1))
-    if decision:
-        prop.result.decisions.append(decision)
-    return True
+def _split_head(ctx: RuleContext, node: fx.Node, c: Contraction, decision: str) -> Strategy:
+    s = Strategy(out=S(len(shape_of(node)) - 1), note=decision)
+    s.read(c.input, R, "vocab head")
+    if ctx.is_open(c.weight):
+        s.fix[c.weight] = S(0 if c.weight_layout == "out_in" else 1)
+    if c.bias is not None:
+        if ctx.is_open(c.bias):
+            s.fix[c.bias] = S(0)
+        elif ctx.placement(c.bias) != S(0):
+            # A bias fixed otherwise (a forced plan): this rank's slice of the whole bias.
+            s.read(c.bias, S(0))
+    return s
 
 
 @rule("cross_entropy")
-def cross_entropy(prop: Propagator, node: fx.Node) -> None:
+def cross_entropy(ctx: RuleContext, node: fx.Node) -> Strategy:
     """``F.cross_entropy`` of vocabulary-sharded ``[N, V/p]`` logits: per-token statistics."""
     args = _LOSS_SIGNATURE.bind(*node.args, **node.kwargs).arguments
     x, target = args["input"], args["target"]
-    pl = prop.placement(x)
+    pl = ctx.placement(x)
     if not pl.is_shard:
-        return call_replicated(prop, node, pl)
+        return call_replicated(pl)
     t = value_of(target)
     plain = all(args.get(k) is None for k in ("weight", "size_average", "reduce"))
     if (
         len(shape_of(x)) != 2 or pl.dim != 1 or pl.blocks or not plain
         or not isinstance(t, torch.Tensor) or t.is_floating_point()
     ):  # fmt: skip
-        return prop._fallback(node)
-    target = prop.to_replicate(target, node)
+        return fallback()
     vocab = shape_of(x)[1]
-    node.target = tp_ops.vocab_parallel_cross_entropy
-    node.args = (
+    call = Call(tp_ops.vocab_parallel_cross_entropy, (
         x, target, args.get("ignore_index", -100), args.get("reduction", "mean"),
-        float(args.get("label_smoothing", 0.0)), vocab, prop.rank, prop.p, prop.group,
-    )  # fmt: skip
-    node.kwargs = {}
-    prop.env[node] = R
+        float(args.get("label_smoothing", 0.0)), vocab, ctx.rank, ctx.p, ctx.group,
+    ))  # fmt: skip
+    return Strategy(out=R, call=call).read(target, R)
 
 
 def _logit_uses(head: fx.Node, depth: int = 16) -> tuple[bool, bool]:
@@ -168,8 +168,8 @@ def _reaches_loss_as_logits(head: fx.Node, depth: int = 16) -> bool:
     return False
 
 
-def tied_vocab_split(prop: Propagator, node: fx.Node, weight: fx.Node) -> bool:
-    """Whether the embedding ``node`` should fix its ``weight`` split on the vocabulary.
+def tied_vocab_split(ctx: RuleContext, node: fx.Node, weight: fx.Node) -> str:
+    """Why the embedding ``node`` fixes its ``weight`` split on the vocabulary; "" if not.
 
     Yes when the weight is tied to an LM head (every other reader of it is a
     contraction ``h @ W^T`` with the vocabulary as its output dim), ``V`` divides
@@ -180,22 +180,21 @@ def tied_vocab_split(prop: Propagator, node: fx.Node, weight: fx.Node) -> bool:
     is chosen when ``V > 4d``, i.e. for any real vocabulary.
     """
     vocab, d = shape_of(weight)
-    heads = _head_readers(prop, weight)
-    if not prop.vocab_parallel or not heads or vocab % prop.p or vocab <= 4 * d:
-        return False
+    heads = _head_readers(ctx, weight)
+    if not ctx.vocab_parallel or not heads or vocab % ctx.p or vocab <= 4 * d:
+        return ""
     if not _plain_lookup(node):
-        return False
-    prop.result.decisions.append(
-        f"{prop.param_names[weight.name]}: tied embedding and head split on the vocabulary "
+        return ""
+    return (
+        f"{ctx.param_name(weight)}: tied embedding and head split on the vocabulary "
         f"(V={vocab} > 4d={4 * d}): the lookup is reduce-scattered onto the hidden shards "
         "and the head is vocabulary-parallel; no [.., V] partial logits are all-reduced"
     )
-    return True
 
 
-def _head_readers(prop: Propagator, weight: fx.Node) -> list[fx.Node]:
+def _head_readers(ctx: RuleContext, weight: fx.Node) -> list[fx.Node]:
     """The contractions reading ``weight`` as ``[V, d]`` when every reader is one or a lookup."""
-    params = set(prop.param_names)
+    params = ctx.param_names()
     heads: list[fx.Node] = []
 
     def head(n: fx.Node) -> bool:
@@ -223,7 +222,7 @@ def _plain_lookup(node: fx.Node) -> bool:
     )
 
 
-def vocab_parallel_lookup(prop: Propagator, node: fx.Node) -> None:
+def vocab_parallel_lookup(ctx: RuleContext, node: fx.Node, s: Strategy) -> Strategy:
     """An embedding whose weight is split on the vocabulary: a partial, then a reduce-scatter.
 
     Each rank looks up the ids of its vocabulary rows (zeros for the others):
@@ -234,17 +233,13 @@ def vocab_parallel_lookup(prop: Propagator, node: fx.Node) -> None:
     args = _EMBEDDING_SIGNATURE.bind(*node.args, **node.kwargs).arguments
     ids, weight = args["input"], args["weight"]
     vocab = shape_of(weight)[0]
-    part = vocab // prop.p
-    lo = prop.rank * part
+    part = vocab // ctx.p
+    lo = ctx.rank * part
     pad = args.get("padding_idx")
     if pad is not None:
         pad = pad % vocab
         pad = pad - lo if lo <= pad < lo + part else None
-    node.target = tp_ops.vocab_shard_embedding
-    node.args, node.kwargs = (ids, weight, pad, lo), {}
-    prop.set(node, P)
-    scattered = prop.to_shard(node, len(shape_of(node)) - 1, node)
-    scattered.meta[C.WHY_META] = "vocab embedding"
-    for user in list(node.users):
-        if user is not scattered:
-            user.replace_input_with(node, scattered)
+    s.call = Call(tp_ops.vocab_shard_embedding, (ids, weight, pad, lo))
+    s.out = P
+    s.then = Then(S(len(shape_of(node)) - 1), "vocab embedding")
+    return s

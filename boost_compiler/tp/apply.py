@@ -1,0 +1,262 @@
+"""The one applier: rewrite a graph for one rank from its planned strategies.
+
+Invariant: this is the only code that changes a graph for tensor parallelism. Given
+every node's :class:`~boost_compiler.tp.strategy.Strategy` (decided by the planner,
+which changed nothing), it walks the graph once, in order, and for each node inserts
+the conversions its reads need, rewrites its call to the local one, converts a partial
+result right after it, and puts ``f`` (:func:`~boost_compiler.tp.collectives.copy_to_tp`)
+on the replicated inputs that need grad of a rank-varying node. Five conversions are
+enough, and each has the backward that keeps gradients exact (``collectives.py``)::
+
+    P -> R   reduce_from_tp  (g)      S -> R   gather_from_tp
+    R -> S   scatter_to_tp            P -> S   reduce_scatter_to_tp
+    R into a rank-varying op: copy_to_tp (f)
+
+A conversion is made once per value and placement and shared by its readers. Graph
+outputs are read whole, so what leaves a graph (and crosses a graph break) is global.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch.fx as fx
+
+from ..analysis.bottlenecks import Bottleneck
+from ..ir.op_table import op_kind
+from ..ir.ops import value_of
+from . import collectives as C
+from .placement import P, Placement, R, S, unblock
+from .planner import plan_graph
+from .rules.core import requires_grad
+from .rules.registry import ShardingResult
+from .strategy import Read, Strategy
+
+_F = Placement("F")  # the key of an f conversion (not a placement a value has)
+_PURE = ("clone", "contiguous", "expand")  # a dead chain of these computes nothing anyone reads
+
+
+class Applier:
+    """Rewrites ``graph`` in place for one rank from ``plan`` (node -> strategy)."""
+
+    def __init__(
+        self, graph: fx.Graph, env: dict[fx.Node, Placement], group: str, rank: int, p: int
+    ) -> None:
+        self.graph, self.group, self.rank, self.p = graph, group, rank, p
+        self.env = dict(env)  # the planned placements; conversion nodes are added as made
+        self.alias: dict[fx.Node, fx.Node] = {}  # a node -> what its readers read instead
+        self.origin: dict[fx.Node, fx.Node] = {}  # and back: what the strategies call it
+        self.converted: dict[tuple[fx.Node, Placement], fx.Node] = {}
+
+    def run(self, plan: dict[fx.Node, Strategy]) -> None:
+        for node in list(self.graph.nodes):
+            s = plan.get(node)
+            if s is not None and not node._erased:
+                self._apply(node, s)
+        for node, pl in self.env.items():  # for drawings and dumps (boost explain)
+            if not node._erased and node.op != "output":
+                node.meta["boost_placement"] = pl
+
+    # -- one node ----------------------------------------------------------
+
+    def _apply(self, node: fx.Node, s: Strategy) -> None:
+        if s.fuse is not None:
+            return self._fuse(node, s)
+        if s.call is not None:
+            node.op, node.target = s.call.op, s.call.target
+            node.args, node.kwargs = s.call.args, dict(s.call.kwargs)
+        self._convert_inputs(node, s)
+        self.env[node] = s.out
+        if s.rank_varying:
+            self._copy_in(node)
+        if s.then is not None:
+            self._then(node, s)
+
+    def _convert_inputs(self, node: fx.Node, s: Strategy) -> None:
+        for arg in list(node.all_input_nodes):
+            read = s.reads.get(self.origin.get(arg, arg))
+            cur = self.alias.get(arg, arg)
+            if read is None and s.whole:
+                read = Read(R)
+            new = self.read(cur, read, node) if read is not None else cur
+            if new is not arg:
+                node.replace_input_with(arg, new)
+            if read is not None and read.expand is not None:
+                self._drop_dead(cur)
+
+    def _drop_dead(self, dead: Any) -> None:
+        """A full broadcast no one reads any more, and the pure chain that made it."""
+        while (
+            isinstance(dead, fx.Node) and dead.op in ("call_function", "call_method")
+            and not dead.users and op_kind(dead) in _PURE
+        ):  # fmt: skip
+            nxt = dead.args[0]
+            self.graph.erase_node(dead)  # applied already, and nothing reads it any more
+            self.env.pop(dead, None)
+            dead = nxt
+
+    def read(self, arg: fx.Node, read: Read, user: fx.Node) -> fx.Node:
+        """``arg`` as ``read`` asks, converting (once per value and placement) if needed."""
+        if read.expand is not None:
+            return self._expand_piece(arg, read, user)
+        if read.via is not None:
+            return self.converted[(self.alias.get(read.via, read.via), read.placement)]
+        if read.placement == R:
+            return self.to_replicate(arg, user, read.reason)
+        if read.placement.is_shard:
+            return self.to_shard(arg, read.placement.dim, user, read.reason)
+        return arg  # P: a partial read as is (only its own conversion reads it)
+
+    def _then(self, node: fx.Node, s: Strategy) -> None:
+        """Convert the partial result at once, add its bias, and give readers the result."""
+        assert s.then is not None
+        to = s.then.to
+        out = (
+            self.to_replicate(node, node, s.then.reason)
+            if to == R
+            else self.to_shard(node, to.dim, node, s.then.reason)
+        )
+        made = {out}
+        if s.then.bias is not None:
+            bias = self.alias.get(s.then.bias, s.then.bias)
+            bias = self.to_replicate(bias, node, f"{s.then.reason} bias") if to == R else (
+                self.to_shard(bias, 0, node))  # fmt: skip
+            with self.graph.inserting_after(out):
+                added = self.graph.call_function(operator.add, (out, bias))
+            added.meta["example_value"] = value_of(node)  # global shapes, as every node's
+            self.env[added] = to
+            made.add(added)
+            out = added
+        self._rewire(node, out, made)
+
+    def _rewire(self, node: fx.Node, out: fx.Node, made: set[fx.Node]) -> None:
+        for user in list(node.users):
+            if user not in made:
+                user.replace_input_with(node, out)
+        self.alias[node], self.origin[out] = out, node
+
+    def _fuse(self, node: fx.Node, s: Strategy) -> None:
+        assert s.fuse is not None and s.call is not None
+        end = s.fuse.end
+        with self.graph.inserting_before(end):
+            new = self.graph.create_node(s.call.op, s.call.target, s.call.args, dict(s.call.kwargs))
+        new.meta = dict(end.meta)
+        self._convert_inputs(new, s)
+        end.replace_all_uses_with(new)
+        for n in reversed(s.fuse.chain):
+            self.graph.erase_node(n)
+            self.env.pop(n, None)
+        for n in s.fuse.dead:
+            if not n.users:
+                self.graph.erase_node(n)
+                self.env.pop(n, None)
+        self.env[new] = s.out
+        if s.rank_varying:
+            self._copy_in(new)
+        self.alias[end], self.origin[new] = new, end
+
+    # -- conversions -------------------------------------------------------
+
+    def to_replicate(self, arg: Any, user: fx.Node, reason: str = "") -> Any:
+        if not isinstance(arg, fx.Node):
+            return arg
+        pl = self.env.get(arg, R)
+        if pl == R:
+            return arg
+        key = (arg, R)
+        if key not in self.converted:
+            with self.graph.inserting_after(arg):
+                if pl == P:
+                    new = self.graph.call_function(C.reduce_from_tp, (arg, self.group))
+                else:
+                    new = self.graph.call_function(
+                        C.gather_from_tp, (arg, pl.dim, self.group, self.rank, self.p)
+                    )
+            # Why it communicates (else: for which consumer), read with the graph's collectives.
+            new.meta[C.WHY_META] = reason or user.name
+            if pl.blocks:  # rank-major after the gather; put each block back together
+                gathered = new
+                with self.graph.inserting_after(gathered):
+                    new = self.graph.call_function(unblock, (gathered, pl.dim, pl.blocks, self.p))
+                gathered.meta["example_value"] = value_of(arg)
+            new.meta["example_value"] = value_of(arg)
+            self.env[new] = R
+            self.converted[key] = new
+        return self.converted[key]
+
+    def to_shard(self, arg: Any, dim: int, user: fx.Node, reason: str = "") -> Any:
+        if not isinstance(arg, fx.Node):
+            return arg
+        pl = self.env.get(arg, R)
+        if pl == S(dim):
+            return arg
+        if pl == P:  # partial sums to shards: one reduce-scatter, not all-reduce + slice
+            key = (arg, S(dim))
+            if key not in self.converted:
+                with self.graph.inserting_after(arg):
+                    new = self.graph.call_function(
+                        C.reduce_scatter_to_tp, (arg, dim, self.group, self.rank, self.p)
+                    )
+                new.meta["example_value"] = value_of(arg)
+                if reason:
+                    new.meta[C.WHY_META] = reason
+                self.env[new] = S(dim)
+                self.converted[key] = new
+            return self.converted[key]
+        if pl != R:
+            arg = self.to_replicate(arg, user, reason or "reshard")
+        key = (arg, S(dim))
+        if key not in self.converted:
+            with self.graph.inserting_after(arg):
+                new = self.graph.call_function(
+                    C.scatter_to_tp, (arg, dim, self.group, self.rank, self.p)
+                )
+            self.env[new] = S(dim)
+            self.converted[key] = new
+        return self.converted[key]
+
+    def _copy_in(self, node: fx.Node) -> None:
+        """f on every replicated input that requires grad of a rank-varying node."""
+        for arg in node.all_input_nodes:
+            if self.env.get(arg, R) == R and requires_grad(arg):
+                key = (arg, _F)
+                if key not in self.converted:
+                    with self.graph.inserting_after(arg):
+                        new = self.graph.call_function(C.copy_to_tp, (arg, self.group))
+                    self.env[new] = R
+                    self.converted[key] = new
+                node.replace_input_with(arg, self.converted[key])
+
+    def _expand_piece(self, t: fx.Node, read: Read, user: fx.Node) -> fx.Node:
+        """This rank's piece of a broadcast, made locally; the full broadcast, if now unread,
+        is dropped with the pure chain that made it."""
+        assert read.expand is not None
+        base, local = read.expand
+        with self.graph.inserting_before(user):
+            piece = self.graph.call_method("expand", (self.alias.get(base, base), *local))
+        src = t
+        while op_kind(src) in ("clone", "contiguous") and len(src.all_input_nodes) == 1:
+            src = src.args[0]
+        piece.meta["example_value"] = value_of(src)  # global shapes, as every node's
+        self.env[piece] = read.placement
+        self._copy_in(piece)  # its gradient sums the heads' parts
+        return piece
+
+
+def shard_graph(
+    gm: fx.GraphModule,
+    param_names: dict[str, str],
+    bottlenecks: list[Bottleneck],
+    p: int,
+    group: str,
+    rank: int,
+    fixed: dict[str, Placement] | None = None,
+    vocab_parallel: bool = True,
+) -> ShardingResult:
+    """Plan ``gm`` for one rank of a ``p``-way group (``planner.plan_graph``), then rewrite it."""
+    walk = plan_graph(gm.graph, param_names, bottlenecks, p, group, rank, fixed, vocab_parallel)
+    Applier(gm.graph, walk.env, group, rank, p).run(walk.plan)
+    gm.graph.lint()
+    gm.recompile()
+    return walk.result

@@ -1,0 +1,238 @@
+"""The planner: every node's strategy for one graph, decided before anything is rewritten.
+
+Invariant: planning reads the graph and changes nothing. One forward walk asks each
+node's rule (``tp/rules/``) for its strategy given the placements decided so far,
+and a parameter's placement is fixed by the first node that reads it (a bottleneck's
+factor by its role, an embedding by its lookup; read whole, it is replicated), except
+that a node may read a parameter whole and leave it open (``w.abs()`` before the layer
+that splits ``w``). When such a parameter was split later, a second walk plans every
+node again with all parameters fixed, so that early reader is planned for the shard,
+not patched afterwards; the second walk is exactly what a graph compiled later (or a
+forced plan) gets, since its parameters are fixed from the start.
+The strategies go to the one applier (``tp/apply.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx as fx
+
+from .._logging import get_logger
+from ..analysis.bottlenecks import Bottleneck
+from ..errors import MutationError, ShardingError
+from ..ir.ops import shape_of
+from ..ir.writes import is_mutation
+from .placement import Placement, R
+from .rules.core import describe
+from .rules.registry import ShardingResult, reads_blocks, rule_for
+from .strategy import Strategy, fallback, replicated
+
+log = get_logger(__name__)
+
+
+class Walk:
+    """One planning walk over ``graph``: the rules' :class:`RuleContext` and its record."""
+
+    def __init__(
+        self,
+        graph: fx.Graph,
+        param_names: dict[str, str],
+        role: dict[str, str],
+        p: int,
+        group: str,
+        rank: int,
+        fixed: dict[str, Placement],
+        vocab_parallel: bool,
+    ) -> None:
+        self.graph, self._param_names, self._role = graph, param_names, role
+        self.p, self.group, self.rank, self.vocab_parallel = p, group, rank, vocab_parallel
+        self.fixed = dict(fixed)
+        self.env: dict[fx.Node, Placement] = {}
+        self.open: set[fx.Node] = set()
+        self.plan: dict[fx.Node, Strategy] = {}
+        self.absorbed: set[fx.Node] = set()
+        self.planned: set[tuple[fx.Node, Placement]] = set()  # conversions the plan makes
+        self.result = ShardingResult()
+        # Open parameters a node read whole while leaving them open (``keep_open``): if one
+        # is split later, that node was planned for the whole value and is planned again.
+        self.read_open: set[fx.Node] = set()
+
+    # -- the RuleContext -----------------------------------------------------
+
+    def placement(self, arg: Any) -> Placement:
+        if isinstance(arg, fx.Node) and arg not in self.open:
+            return self.env.get(arg, R)
+        return R
+
+    def peek(self, arg: Any) -> Placement | None:
+        if isinstance(arg, fx.Node):
+            return None if arg in self.open else self.env.get(arg, R)
+        return R
+
+    def is_open(self, arg: Any) -> bool:
+        return isinstance(arg, fx.Node) and arg in self.open
+
+    def is_param(self, arg: Any) -> bool:
+        return isinstance(arg, fx.Node) and arg.name in self._param_names
+
+    def param_name(self, arg: fx.Node) -> str:
+        return self._param_names[arg.name]
+
+    def param_names(self) -> set[str]:
+        return set(self._param_names)
+
+    def role(self, node: fx.Node) -> str | None:
+        return self._role.get(node.name)
+
+    def gathered(self, arg: fx.Node) -> fx.Node | None:
+        from .rules.slicing import same_values
+
+        root, shape, dtype = same_values(arg)
+        return next(
+            (
+                c
+                for c, to in self.planned
+                if to == R and (same := same_values(c))[0] is root and same[1:] == (shape, dtype)
+            ),
+            None,
+        )
+
+    # -- the walk ------------------------------------------------------------
+
+    def run(self) -> None:
+        for node in self.graph.nodes:
+            if node in self.absorbed:
+                continue
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "output":
+                self._commit(node, replicated())
+                del self.env[node]
+            elif node.op in ("call_function", "call_method"):
+                self._commit(node, self._strategy(node))
+            else:
+                self.env[node] = R
+        for node in list(self.open):  # parameters only ever read whole
+            self._decide(node, R)
+
+    def _placeholder(self, node: fx.Node) -> None:
+        fqn = self._param_names.get(node.name)
+        if fqn is None:
+            self.env[node] = R
+        elif fqn in self.fixed:
+            self.env[node] = self.fixed[fqn]
+            self.result.params[fqn] = self.fixed[fqn]
+        else:
+            self.open.add(node)
+
+    def _strategy(self, node: fx.Node) -> Strategy:
+        if not reads_blocks(node) and any(
+            (pl := self.peek(a)) is not None and pl.blocks and not self.is_param(a)
+            for a in node.all_input_nodes
+        ):
+            return fallback()  # only a split into its blocks reads a blocked shard
+        rule = rule_for(self, node)
+        if rule is not None:
+            return rule(self, node)
+        if any(self.placement(a) != R for a in node.all_input_nodes):
+            return fallback()
+        return replicated()
+
+    def _decide(self, node: fx.Node, placement: Placement) -> None:
+        if node not in self.open:
+            return
+        fqn = self._param_names[node.name]
+        if placement.is_shard:
+            size = shape_of(node)[placement.dim]
+            if size % self.p:
+                raise ShardingError(
+                    f"parameter {fqn!r}: dimension {placement.dim} of size {size} is not "
+                    f"divisible by the tensor-parallel degree p={self.p}"
+                )
+        self.open.discard(node)
+        self.env[node] = placement
+        self.result.params[fqn] = placement
+        self.fixed[fqn] = placement
+
+    @property
+    def stale(self) -> bool:
+        """Whether a node was planned for a parameter read whole that was split afterwards."""
+        return any(self.env.get(prm, R) != R for prm in self.read_open)
+
+    def _commit(self, node: fx.Node, s: Strategy) -> None:
+        if s.fallback:
+            if is_mutation(node):  # gathering a copy and writing into it would lose the write
+                raise MutationError(
+                    f"{describe(node)}: an in-place op reached sharding propagation; the "
+                    "'functionalize' pass must run first (this is a boost-compiler bug)"
+                )
+            msg = f"{describe(node)}: {s.fallback}"
+            log.warning("btp: %s", msg)
+            self.result.fallbacks.append(msg)
+        for param, pl in s.fix.items():
+            self._decide(param, pl)
+        inputs = _inputs(node, s)
+        if s.keep_open:
+            self.read_open.update(a for a in inputs if a in self.open)
+        else:
+            for arg in inputs:
+                self._decide(arg, R)  # an open parameter read whole is replicated
+        for arg in inputs:
+            read = s.reads.get(arg)
+            want = read.placement if read is not None else (R if s.whole else None)
+            if want is not None and want != self.placement(arg):
+                self.planned.add((read.via if read and read.via else arg, want))
+        if s.note:
+            self.result.decisions.append(s.note)
+        if s.fuse is not None:
+            self.absorbed.update(s.fuse.chain)
+            self.env[s.fuse.end] = s.out
+        self.plan[node] = s
+        self.env[node] = s.then.to if s.then is not None else s.out
+        if s.then is not None:
+            self.planned.add((node, s.then.to))
+
+
+def _inputs(node: fx.Node, s: Strategy) -> list[fx.Node]:
+    """The nodes ``node`` reads once rewritten (its new call's, and a bias added after it)."""
+    if s.call is None:
+        found = list(node.all_input_nodes)
+    else:
+        found = []
+        fx.node.map_arg((s.call.args, s.call.kwargs), found.append)
+    if s.then is not None and s.then.bias is not None:
+        found.append(s.then.bias)
+    return list(dict.fromkeys(found))
+
+
+def plan_graph(
+    graph: fx.Graph,
+    param_names: dict[str, str],
+    bottlenecks: list[Bottleneck],
+    p: int,
+    group: str,
+    rank: int,
+    fixed: dict[str, Placement] | None = None,
+    vocab_parallel: bool = True,
+) -> Walk:
+    """Every node's strategy for one rank of a ``p``-way group; the graph is not changed.
+
+    ``fixed`` holds parameter placements decided earlier (the model's shards exist);
+    the others are decided here (``result.params``).
+    """
+    role: dict[str, str] = {}
+    for b in bottlenecks:
+        role[b.down_node] = "down"
+        role[b.up_node] = "up"
+    args = (graph, param_names, role, p, group, rank)
+    first = Walk(*args, fixed or {}, vocab_parallel)
+    first.run()
+    if not first.stale:
+        return first
+    # Every parameter is fixed now: plan again, so that early readers see the shards.
+    second = Walk(*args, first.fixed, vocab_parallel)
+    second.run()
+    second.result.decisions = first.result.decisions
+    second.result.params = {k: first.result.params[k] for k in first.result.params}
+    return second
