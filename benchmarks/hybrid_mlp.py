@@ -222,6 +222,8 @@ def _plan_info(model: nn.Module) -> dict[str, Any]:
         "bottlenecks": bottlenecks,
         "fallbacks": list(plan.fallbacks),
         "decisions": list(plan.decisions),
+        # what the planner predicted for the graph that ran (its last compile), before rewriting
+        "predicted_bytes": plan.graphs[-1].predicted_bytes,
     }
 
 
@@ -330,7 +332,8 @@ def _report(
     )
     for c in ("strategy", "fwd coll", "bwd coll", "fwd B/tok/layer", "bwd B/tok/layer",
               "total B/tok/layer", "contrib B/tok/layer (fwd+bwd)", "expected (fwd+bwd)",
-              "boost plan B/tok/layer (fwd+bwd)", "loss err"):  # fmt: skip
+              "boost plan B/tok/layer (fwd+bwd)", "planner predicted B/tok/layer",
+              "loss err"):  # fmt: skip
         table.add_column(c, justify="left" if c == "strategy" else "right")
     analytic = _analytic(args)
     for s, res in results.items():
@@ -347,8 +350,13 @@ def _report(
             )
         }
         deps = res.get("depths", {})
-        plan_col = "-"
+        plan_col = predicted_col = "-"
         if s == "boost" and all(str(n) in deps and "plan" in deps[str(n)] for n in DEPTHS):
+            pred = [deps[str(n)]["plan"]["predicted_bytes"] for n in DEPTHS]
+            per["predicted_bytes_per_token_layer"] = (
+                (pred[1] - pred[0]) / (DEPTHS[1] - DEPTHS[0]) / tokens
+            )
+            predicted_col = f"{per['predicted_bytes_per_token_layer']:.0f}"
             pf, pb = (
                 (_plan_bytes(deps, DEPTHS[1], w) - _plan_bytes(deps, DEPTHS[0], w))
                 / (DEPTHS[1] - DEPTHS[0])
@@ -380,6 +388,7 @@ def _report(
             f"+{per['bwd_contributed_bytes_per_token_layer']:.0f})",
             exp,
             plan_col,
+            predicted_col,
             "-" if per["loss_err"] is None else f"{per['loss_err']:.1e}",
         )
     console.print(table)

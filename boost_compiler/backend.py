@@ -32,7 +32,7 @@ from .passes.base import _digest
 from .passes.driver import run_pipeline
 from .tp.collectives import graph_collectives
 from .tp.placeholder import current_local, placeholder_record, shadow_param
-from .tp.plan import input_shapes
+from .tp.plan import input_shapes, predicted_bytes
 
 log = get_logger(__name__)
 
@@ -84,7 +84,7 @@ def boost_backend(
         btp = ctx.notes.get("btp")
         next(iter(records.values())).plan.record_graph(
             "compile", input_shapes(example_inputs), list(getattr(btp, "fallbacks", [])),
-            len(graph_collectives(gm.graph)),
+            len(graph_collectives(gm.graph)), predicted_bytes(btp) if btp is not None else 0.0,
         )  # fmt: skip
     counters["boost"]["graphs"] += 1
     counters["boost"]["bottlenecks"] += len(ctx.bottlenecks)

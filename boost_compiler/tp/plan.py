@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -28,6 +29,7 @@ from ..errors import PlanFileError
 from .collectives import Collective
 from .placement import Placement
 from .rules.registry import ShardingResult
+from .strategy import Choice
 
 # The saved plan's format (TPPlan.save/load, boost explain's plan.json); a new version
 # when a field changes meaning.
@@ -65,6 +67,9 @@ class GraphRecord:
     inputs: tuple[str, ...]  # the shapes of its non-parameter tensor inputs, e.g. "2x16"
     fallbacks: tuple[str, ...]
     collectives: int
+    # The planner's prediction of what the graph sends per call (logical bytes, forward
+    # plus backward, as benchmarks/ count gloo's events), before the optimising passes.
+    predicted_bytes: float = 0.0
 
     def __str__(self) -> str:
         return f"graph {self.index} ({self.origin}, inputs {', '.join(self.inputs) or 'none'})"
@@ -82,6 +87,7 @@ class TPPlan:
     collectives: list[Collective] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)  # e.g. how the LM head is split, and why
+    choices: list[Choice] = field(default_factory=list)  # every alternative weighed, with costs
     param_itemsize: dict[str, int] = field(default_factory=dict)
     trainable: set[str] = field(default_factory=set)
     graphs: list[GraphRecord] = field(default_factory=list)
@@ -89,10 +95,13 @@ class TPPlan:
     forced_from: str | None = None
 
     def record_graph(
-        self, origin: str, inputs: tuple[str, ...], fallbacks: list[str], collectives: int
-    ) -> GraphRecord:
+        self, origin: str, inputs: tuple[str, ...], fallbacks: list[str], collectives: int,
+        predicted_bytes: float = 0.0,
+    ) -> GraphRecord:  # fmt: skip
         """Add a rewritten graph; its fallbacks join ``fallbacks`` once each, with the graph."""
-        record = GraphRecord(len(self.graphs), origin, inputs, tuple(fallbacks), collectives)
+        record = GraphRecord(
+            len(self.graphs), origin, inputs, tuple(fallbacks), collectives, predicted_bytes
+        )
         self.graphs.append(record)
         known = {f.split(" [from graph ")[0] for f in self.fallbacks}
         for msg in dict.fromkeys(fallbacks):
@@ -115,6 +124,7 @@ class TPPlan:
             "collectives": [_collective_json(c) for c in self.collectives],
             "graphs": [asdict(g) for g in self.graphs],
             "fallbacks": list(self.fallbacks), "decisions": list(self.decisions),
+            "choices": [asdict(c) for c in self.choices],
         }  # fmt: skip
 
     @staticmethod
@@ -138,6 +148,7 @@ class TPPlan:
             plan.graphs = [_dataclass(GraphRecord, g) for g in data.get("graphs", [])]
             plan.fallbacks = list(data.get("fallbacks", []))
             plan.decisions = list(data.get("decisions", []))
+            plan.choices = [Choice(**c) for c in data.get("choices", [])]
         except PlanFileError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -174,16 +185,17 @@ class TPPlan:
         ``result`` is the btp pass's :class:`~.rules.registry.ShardingResult` (None when the
         pass did not run): its parameter placements, fallbacks and decisions.
         """
-        params, fallbacks, decisions = (
-            (result.params, result.fallbacks, result.decisions) if result is not None
-            else ({}, [], [])
-        )  # fmt: skip
-        self.params.update(params)
+        empty = ShardingResult()
+        result = result or empty
+        self.params.update(result.params)
         seen = {(b.down, b.up) for b in self.bottlenecks}
         self.bottlenecks += [b for b in bottlenecks if (b.down, b.up) not in seen]
         self.collectives += collectives
+        self.choices += result.choices
+        decisions = [*result.decisions, *grouped_choices(result.choices)]
         self.decisions += [d for d in decisions if d not in self.decisions]
-        return self.record_graph(origin, inputs, list(fallbacks), len(collectives))
+        return self.record_graph(origin, inputs, list(result.fallbacks), len(collectives),
+                                 predicted_bytes(result))  # fmt: skip
 
     def rank_memory(self) -> RankMemory:
         """Per-rank parameter, gradient and AdamW bytes of this plan (a shard is 1/p)."""
@@ -267,6 +279,27 @@ def _collective(data: Mapping[str, Any]) -> Collective:
         data["kind"], data["node"], tuple(data["global_shape"]), dtype,
         bool(data["forward"]), bool(data["backward"]), data.get("reason", ""),
     )  # fmt: skip
+
+
+def predicted_bytes(result: ShardingResult) -> float:
+    """The planner's prediction for one graph: logical bytes per call, forward + backward."""
+    return sum(c.logical for c in result.predicted.values())
+
+
+def grouped_choices(choices: Sequence[Choice]) -> list[str]:
+    """One line per kind of choice: repeated layers (their indices as ``*``) counted once."""
+    groups: dict[tuple[str, str], list[Choice]] = {}
+    for c in choices:
+        where = re.sub(r"\.\d+\.", ".*.", re.sub(r"\(node \w+, ", "(", c.where))
+        groups.setdefault((where, c.chosen), []).append(c)
+    lines = []
+    for (where, chosen), found in groups.items():
+        c = found[0]
+        alts = "; ".join(f"{label}: {c.seconds[label] * 1e6:.1f} us, {c.wire[label]:.0f} B"
+                         for label in c.seconds)  # fmt: skip
+        times = f" (x{len(found)})" if len(found) > 1 else ""
+        lines.append(f"{where}: {chosen}{times}, weighed against the alternatives [{alts}]")
+    return lines
 
 
 def _dataclass(cls: type, data: Mapping[str, Any]) -> Any:

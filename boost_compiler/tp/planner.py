@@ -16,17 +16,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
-from ..errors import MutationError, ShardingError
-from ..ir.ops import shape_of
+from ..errors import BoostError, MutationError, ShardingError
+from ..ir.ops import shape_of, value_of
 from ..ir.writes import is_mutation
-from .placement import Placement, R
-from .rules.core import describe
+from . import plan_cost as cost
+from .placement import P, Placement, R
+from .rules.core import describe, requires_grad
 from .rules.registry import ShardingResult, reads_blocks, rule_for
-from .strategy import Strategy, fallback, replicated
+from .strategy import Choice, Cost, CostModel, Strategy, fallback, replicated
+
+_F = Placement("F")  # the key of an f (copy_to_tp) among the planned conversions
 
 log = get_logger(__name__)
 
@@ -44,10 +48,12 @@ class Walk:
         rank: int,
         fixed: dict[str, Placement],
         vocab_parallel: bool,
+        cost_model: CostModel,
     ) -> None:
         self.graph, self._param_names, self._role = graph, param_names, role
         self.p, self.group, self.rank, self.vocab_parallel = p, group, rank, vocab_parallel
         self.fixed = dict(fixed)
+        self.cost_model = cost_model
         self.env: dict[fx.Node, Placement] = {}
         self.open: set[fx.Node] = set()
         self.plan: dict[fx.Node, Strategy] = {}
@@ -126,18 +132,91 @@ class Walk:
         else:
             self.open.add(node)
 
-    def _strategy(self, node: fx.Node) -> Strategy:
+    def _options(self, node: fx.Node) -> list[Strategy]:
+        """The strategies the node's rule allows (one, or alternatives to weigh)."""
         if not reads_blocks(node) and any(
             (pl := self.peek(a)) is not None and pl.blocks and not self.is_param(a)
             for a in node.all_input_nodes
         ):
-            return fallback()  # only a split into its blocks reads a blocked shard
+            return [fallback()]  # only a split into its blocks reads a blocked shard
         rule = rule_for(self, node)
         if rule is not None:
-            return rule(self, node)
+            found = rule(self, node)
+            return list(found) if isinstance(found, (list, tuple)) else [found]
         if any(self.placement(a) != R for a in node.all_input_nodes):
-            return fallback()
-        return replicated()
+            return [fallback()]
+        return [replicated()]
+
+    def _strategy(self, node: fx.Node) -> Strategy:
+        options = self._options(node)
+        return options[0] if len(options) == 1 else self._choose(node, options)
+
+    # -- costs ---------------------------------------------------------------
+
+    def _choose(self, node: fx.Node, options: list[Strategy]) -> Strategy:
+        """The cheapest alternative: its own cost plus its readers' best response to it."""
+        scored = []
+        for s in options:
+            cost = self.cost_of(node, s) + self._readers_cost(node, s)
+            scored.append((cost.seconds(self.cost_model), cost, s))
+        best = min(scored, key=lambda t: t[0])
+        self.result.choices.append(Choice(
+            where=describe(node), chosen=best[2].label,
+            seconds={s.label: t for t, _, s in scored}, wire={s.label: c.wire for _, c, s in scored},
+        ))  # fmt: skip
+        return best[2]
+
+    def cost_of(self, node: fx.Node, s: Strategy) -> Cost:
+        """What ``s`` adds on this rank (``tp/plan_cost.py``): conversions, f, its own call."""
+        parts = [s.cost, *(self._read_cost(node, s, a) for a in _inputs(node, s))]
+        if s.then is not None:
+            parts.append(cost.conversion(value_of(node), P, s.then.to, self.p))
+        if s.out == R and s.fuse is None:
+            parts.append(cost.replicated_work(node, self.p))
+        return cost.total(parts)
+
+    def _read_cost(self, node: fx.Node, s: Strategy, arg: fx.Node) -> Cost:
+        read = s.reads.get(arg)
+        if read is not None and read.expand is not None:
+            return cost.copy_in(value_of(read.expand[0]), self.p)
+        if read is not None and read.via is not None:
+            return Cost()
+        # An open parameter is read as the strategy fixes it (whole, unless it says).
+        cur = s.fix.get(arg, self.placement(arg)) if self.is_open(arg) else self.placement(arg)
+        want = read.placement if read is not None else (R if s.whole else cur)
+        found = Cost()
+        if want != cur and (arg, want) not in self.planned:
+            found = cost.conversion(value_of(arg), cur, want, self.p)
+        if s.rank_varying and want == R and (arg, _F) not in self.planned:
+            # f after a gather sends its gradient back as one reduce-scatter (the pass
+            # ``reduce_scatter_grads``): half an all-reduce.
+            found = found + cost.copy_in(value_of(arg), self.p, gathered=cur.is_shard)
+        return found
+
+    def _readers_cost(self, node: fx.Node, s: Strategy) -> Cost:
+        """What reading ``node``'s value costs its readers at their cheapest, given ``s``."""
+        before = self.env.get(node)
+        self.env[node] = s.then.to if s.then is not None else s.out
+        try:
+            parts = []
+            for user in node.users:
+                if user.op == "output":
+                    parts.append(cost.conversion(value_of(node), self.env[node], R, self.p))
+                    continue
+                try:
+                    options = self._options(user)
+                except BoostError:
+                    continue  # refused whatever the placement: no preference
+                parts.append(min(
+                    (self._read_cost(user, o, node) for o in options),
+                    key=lambda c: c.seconds(self.cost_model),
+                ))  # fmt: skip
+            return cost.total(parts)
+        finally:
+            if before is None:
+                del self.env[node]
+            else:
+                self.env[node] = before
 
     def _decide(self, node: fx.Node, placement: Placement) -> None:
         if node not in self.open:
@@ -172,6 +251,8 @@ class Walk:
             self.result.fallbacks.append(msg)
         for param, pl in s.fix.items():
             self._decide(param, pl)
+        # What the applier will insert for it (conversions it shares are counted once).
+        self.result.predicted[node.name] = self.cost_of(node, s)
         inputs = _inputs(node, s)
         if s.keep_open:
             self.read_open.update(a for a in inputs if a in self.open)
@@ -181,8 +262,13 @@ class Walk:
         for arg in inputs:
             read = s.reads.get(arg)
             want = read.placement if read is not None else (R if s.whole else None)
-            if want is not None and want != self.placement(arg):
+            cur = self.placement(arg)
+            if want is not None and want != cur:
+                if want.is_shard and cur.is_shard:
+                    self.planned.add((arg, R))  # another split: through the whole value
                 self.planned.add((read.via if read and read.via else arg, want))
+            if s.rank_varying and (want or cur) == R and requires_grad(arg):
+                self.planned.add((arg, _F))
         if s.note:
             self.result.decisions.append(s.note)
         if s.fuse is not None:
@@ -206,6 +292,15 @@ def _inputs(node: fx.Node, s: Strategy) -> list[fx.Node]:
     return list(dict.fromkeys(found))
 
 
+def _device(graph: fx.Graph) -> str:
+    """The device type the graph's values live on (its first tensor's)."""
+    for node in graph.nodes:
+        v = value_of(node)
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    return "cpu"
+
+
 def plan_graph(
     graph: fx.Graph,
     param_names: dict[str, str],
@@ -226,12 +321,13 @@ def plan_graph(
         role[b.down_node] = "down"
         role[b.up_node] = "up"
     args = (graph, param_names, role, p, group, rank)
-    first = Walk(*args, fixed or {}, vocab_parallel)
+    model = CostModel.for_device(_device(graph))
+    first = Walk(*args, fixed or {}, vocab_parallel, model)
     first.run()
     if not first.stale:
         return first
     # Every parameter is fixed now: plan again, so that early readers see the shards.
-    second = Walk(*args, first.fixed, vocab_parallel)
+    second = Walk(*args, first.fixed, vocab_parallel, model)
     second.run()
     second.result.decisions = first.result.decisions
     second.result.params = {k: first.result.params[k] for k in first.result.params}

@@ -79,19 +79,23 @@ class Cost:
 
     ``wire``: bytes a rank sends for the collectives its conversions add, forward plus
     backward (ring algorithms: an all-reduce of ``N`` bytes sends ``2(p-1)/p N``);
-    ``collectives``: how many (each pays the latency); ``replicated_flops``: work every
-    rank repeats that one rank's share would do.
+    ``logical``: the same collectives' sizes as nccl-tests count them (an all-reduce's
+    input, an all-gather's result, a reduce-scatter's input), what ``benchmarks/``
+    measure from gloo's events; ``collectives``: how many (each pays the latency);
+    ``replicated_flops``: work every rank repeats that one rank's share would do.
     """
 
     wire: float = 0.0
     collectives: int = 0
     replicated_flops: float = 0.0
+    logical: float = 0.0
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(
             self.wire + other.wire,
             self.collectives + other.collectives,
             self.replicated_flops + other.replicated_flops,
+            self.logical + other.logical,
         )
 
     def seconds(self, model: CostModel) -> float:
@@ -119,6 +123,28 @@ class CostModel:
         if device == "cuda":
             return CostModel(latency=10e-6, bandwidth=4.5e11, flops=1e15)
         return CostModel()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice of the planner: the alternatives it weighed and their predicted costs.
+
+    ``seconds``: label -> predicted time on this rank (alpha-beta communication plus the
+    work done whole), the alternative's own cost plus its readers' cheapest response;
+    ``wire``: label -> bytes a rank sends for it, forward plus backward.
+    """
+
+    where: str
+    chosen: str
+    seconds: dict[str, float]
+    wire: dict[str, float]
+
+    def __str__(self) -> str:
+        alts = "; ".join(
+            f"{label} {self.seconds[label] * 1e6:.1f} us, {self.wire[label]:.0f} B"
+            for label in self.seconds
+        )
+        return f"{self.where}: {self.chosen} ({alts})"
 
 
 @dataclass

@@ -13,6 +13,8 @@ head dim and stay local when neither contracted dim is the shard.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch.fx as fx
 
 from ...ir.op_table import op_kind
@@ -32,7 +34,7 @@ def _is_weight_contraction(ctx: RuleContext, node: fx.Node) -> bool:
 
 # always: the contraction decides its weight's placement from its role, whatever its input.
 @rule("linear", "matmul", "mm", "addmm", guard=_is_weight_contraction, always=True)
-def contraction(ctx: RuleContext, node: fx.Node) -> Strategy:
+def contraction(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     c = as_contraction(node, ctx.param_names())
     assert c is not None
     role = ctx.role(node)
@@ -59,7 +61,7 @@ def contraction(ctx: RuleContext, node: fx.Node) -> Strategy:
         if _take(ctx, s, node, c.weight, S(w_in)):
             if x_pl == R:
                 s.read(c.input, S(x_nd - 1))
-            return _row_parallel(s, node, c.bias)
+            return _row_parallel(ctx, s, node, c.bias)
     head = vocab_parallel_head(ctx, node, c)  # an LM head whose logits reach a loss
     if head is not None:
         return head
@@ -95,18 +97,26 @@ def _take(ctx: RuleContext, s: Strategy, node: fx.Node, param: fx.Node, want: Pl
     return True
 
 
-def _row_parallel(s: Strategy, node: fx.Node, bias: fx.Node | None) -> Strategy:
-    """All-reduce the partial product at once; the bias is added after, once, not per rank.
-
-    Added to the full sum, the bias must be whole: one fixed split (a forced plan) is
-    gathered first.
+def _row_parallel(
+    ctx: RuleContext, s: Strategy, node: fx.Node, bias: fx.Node | None
+) -> list[Strategy]:
+    """The partial product converted at once: all-reduced, or reduce-scattered onto the
+    shards of its last dim (Megatron-SP's row-parallel output) where the readers take
+    shards; the planner weighs the two. The bias is added to the converted sum, once,
+    not per rank (whole, or its slice of the shards; one fixed split by a forced plan is
+    gathered first).
     """
     if bias is not None:
         args = list(node.args)
         args[2 if op_kind(node) != "addmm" else 0] = None
         s.call = Call(node.target, tuple(args), dict(node.kwargs), node.op)
-    s.then = Then(R, "row-parallel", bias)
-    return s
+    out = shape_of(node)
+    reduced = replace(s, then=Then(R, "row-parallel", bias), label="all-reduce")
+    if not out or not isinstance(out[-1], int) or out[-1] % ctx.p:
+        return [reduced]
+    to = S(len(out) - 1)
+    scattered = replace(s, then=Then(to, "row-parallel", bias), label="reduce-scatter")
+    return [reduced, scattered]
 
 
 def _fused_blocks(ctx: RuleContext, node: fx.Node) -> tuple[int, ...]:

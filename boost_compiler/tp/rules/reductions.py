@@ -16,9 +16,10 @@ import torch.fx as fx
 
 from ...ir.op_table import op_kind
 from ...ir.ops import shape_of, value_of
+from .. import plan_cost as cost
 from .. import sharded_ops as tp_ops
 from ..placement import R, S
-from ..strategy import Call, Fuse, RuleContext, Strategy, fallback
+from ..strategy import Call, Cost, Fuse, RuleContext, Strategy, fallback
 from .core import is_cast, only_user, shard_arg
 from .registry import rule
 
@@ -44,7 +45,9 @@ def reduction(ctx: RuleContext, node: fx.Node) -> Strategy:
         return norm
     full = shape_of(x)[pl.dim]
     fn = tp_ops.sharded_mean if op_kind(node) == "mean" else tp_ops.sharded_sum
-    return Strategy(out=R, call=Call(fn, (x, pl.dim, bool(keepdim), full, ctx.group)))
+    s = Strategy(out=R, call=Call(fn, (x, pl.dim, bool(keepdim), full, ctx.group)))
+    s.cost = cost.all_reduces([cost.nbytes(value_of(node))], ctx.p)
+    return s
 
 
 @rule("softmax")
@@ -59,7 +62,10 @@ def softmax(ctx: RuleContext, node: fx.Node) -> Strategy:
 
 
 @rule("rms_norm", "layer_norm")
-def norm(ctx: RuleContext, node: fx.Node) -> Strategy:
+def norm(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
+    """Over the hidden shard: a ``tp_ops`` norm that all-reduces its per-token statistics;
+    or the input gathered and the norm computed whole, which the planner weighs where
+    the readers take the normed value whole (a column-parallel layer after it)."""
     x = node.args[0]
     nd = len(shape_of(node))
     if ctx.peek(x) != S(nd - 1) or len(node.args[1]) != 1:
@@ -78,7 +84,22 @@ def norm(ctx: RuleContext, node: fx.Node) -> Strategy:
         s.call = Call(tp_ops.sharded_layer_norm, (x, weight, bias, eps, d, ctx.group))
     else:
         s.call = Call(tp_ops.sharded_rms_norm, (x, weight, eps, d, ctx.group))
-    return s
+    s.label, s.cost = "sharded", _statistics(ctx, node, 2 if layer else 1)
+    if any(isinstance(a, fx.Node) and not ctx.is_open(a) and ctx.placement(a) != R
+           for a in (weight, bias)):  # fmt: skip
+        return s  # a forced split of its weight: kept sharded
+    return [s, Strategy(out=R, whole=True, label="gathered, then whole")]
+
+
+def _statistics(ctx: RuleContext, out: fx.Node, n: int) -> Cost:
+    """A sharded norm's ``n`` fp32 statistics per token: each all-reduced forward, and
+    again backward (f on the scale). Read only by down factors, they ride in those
+    factors' own all-reduce instead (the default pass ``online_norm``): forward bytes,
+    no collective of their own, nothing backward."""
+    stats = cost.per_token(value_of(out), 1)
+    if out.users and all(ctx.role(u) == "down" for u in out.users):
+        return Cost(wire=n * cost.all_reduce(stats, ctx.p), logical=n * stats)
+    return cost.all_reduces([stats] * (2 * n), ctx.p)
 
 
 def _written_rms_norm(ctx: RuleContext, mean: fx.Node, sq: fx.Node) -> Strategy | None:
@@ -113,6 +134,7 @@ def _written_rms_norm(ctx: RuleContext, mean: fx.Node, sq: fx.Node) -> Strategy 
     shard_arg(ctx, s, weight)
     s.call = Call(tp_ops.sharded_rms_norm, (x, weight, float(eps), d, ctx.group))
     s.fuse = Fuse(end, tuple(chain), (xf,) if x is not xf else ())
+    s.cost = _statistics(ctx, end, 1)
     return s
 
 

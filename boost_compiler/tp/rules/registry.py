@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from ...ir.op_table import op_kind, spellings_scope
 from ..placement import Placement
-from ..strategy import RuleContext, Strategy
+from ..strategy import Choice, Cost, RuleContext, Strategy
 from ..strategy import replicated as _replicated
 
 
@@ -37,9 +37,12 @@ class ShardingResult:
     params: dict[str, Placement] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     decisions: list[str] = field(default_factory=list)  # choices made, with their reason
+    choices: list[Choice] = field(default_factory=list)  # alternatives weighed, with costs
+    predicted: dict[str, Cost] = field(default_factory=dict)  # node -> what it will send
 
 
-RuleFn = Callable[[RuleContext, fx.Node], Strategy]
+# One strategy, or alternatives for the planner to weigh by their cost.
+RuleFn = Callable[[RuleContext, fx.Node], Strategy | list[Strategy]]
 Guard = Callable[[RuleContext, fx.Node], bool]
 
 

@@ -35,6 +35,7 @@ from ...ir.ops import (
     shape_of,
     value_of,
 )
+from .. import plan_cost as cost
 from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
 from ..strategy import Call, RuleContext, Strategy, Then, fallback
@@ -122,7 +123,11 @@ def cross_entropy(ctx: RuleContext, node: fx.Node) -> Strategy:
         x, target, args.get("ignore_index", -100), args.get("reduction", "mean"),
         float(args.get("label_smoothing", 0.0)), vocab, ctx.rank, ctx.p, ctx.group,
     ))  # fmt: skip
-    return Strategy(out=R, call=call).read(target, R)
+    s = Strategy(out=R, call=call).read(target, R)
+    # The max and the sum statistics, all-reduced forward; the backward is local.
+    stats = [cost.per_token(value_of(x), 1), cost.per_token(value_of(x), 3 if call.args[4] else 2)]
+    s.cost = cost.all_reduces(stats, ctx.p)
+    return s
 
 
 def _logit_uses(head: fx.Node, depth: int = 16) -> tuple[bool, bool]:
