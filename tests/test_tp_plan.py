@@ -44,17 +44,14 @@ def _run_collectives(
 
 def test_collectives_sit_on_the_rank_dim() -> None:
     """Default passes: per layer 4 forward all-reduces (3r+stats, r, 2r+stats, r), 4 backward,
-    as the forward and backward execute them. The final norm feeds the replicated LM head,
-    not a down factor: at these sizes the planner gathers its input and normalises whole
-    (one all-gather, where the sharded norm's statistics would add an all-reduce each way:
-    ``test_the_final_norm_is_weighed_by_size``)."""
+    as the forward and backward execute them."""
     cfg, fwd, bwd = _run_collectives(2)
     b, s, r, d, layers = 2, 16, cfg.rank, cfg.d_model, cfg.n_layers
     assert sorted(p for k, p in fwd if k == "all_reduce") == sorted(
-        [(b, s, 3 * r + 1), (b, s, r), (b, s, 2 * r + 1), (b, s, r)] * layers
-    )
+        [(b, s, 3 * r + 1), (b, s, r), (b, s, 2 * r + 1), (b, s, r)] * layers + [(b, s, 1)]
+    )  # the last: the final norm, which feeds the LM head's gather, not a down factor
     assert sorted(p for k, p in bwd if k == "all_reduce") == sorted(
-        [(b, s, 3 * r), (b, s, r), (b, s, 2 * r), (b, s, r)] * layers
+        [(b, s, 3 * r), (b, s, r), (b, s, 2 * r), (b, s, r)] * layers + [(b, s, 1)]
     )
     assert not [c for c in fwd + bwd if c[1][-1] == d]  # no hidden-size all-reduce
     gathers = [c for c in fwd if c[0].startswith("all_gather")]
@@ -71,31 +68,10 @@ def test_btp_alone_has_one_collective_per_factor() -> None:
     b, s, r, layers = 2, 16, cfg.rank, cfg.n_layers
     fwd = [p for k, p in fwd if k == "all_reduce"]
     assert fwd.count((b, s, r)) == 7 * layers  # one per down factor
-    assert fwd.count((b, s, 1)) == 2 * layers  # a statistics all-reduce per sharded norm
-    assert len(fwd) == 9 * layers  # (the final norm is computed whole: see above)
+    assert fwd.count((b, s, 1)) == 2 * layers + 1  # a statistics all-reduce per norm
+    assert len(fwd) == 9 * layers + 1
     bwd = [p for k, p in bwd if k == "all_reduce"]
-    assert bwd.count((b, s, r)) == 7 * layers and len(bwd) == 9 * layers
-
-
-def test_the_final_norm_is_weighed_by_size() -> None:
-    """The planner's choice for the norm before the vocabulary-parallel head, with its
-    alternatives' predicted costs: small activations are latency-bound (gather the input,
-    normalise whole: no statistics' all-reduces), large ones bandwidth-bound (normalise the
-    shard, gather the output once: its gradient is then one reduce-scatter, where the
-    whole norm's output sends its gradient back through ``f``, an all-reduce)."""
-    chosen = {}
-    for seq in (16, 1024):
-        with fake_process_group(2):
-            model = build("tiny", max_seq_len=1024)
-            ids = example_inputs(model.cfg, seq=seq)
-            boost_compiler.parallelize(model, dist.group.WORLD, ids, {"labels": ids[0]})
-        [final] = [c for c in model.boost_plan.choices if c.where.endswith(".norm)")]
-        assert set(final.seconds) == {"sharded", "gathered, then whole"}, final
-        assert final.chosen == min(final.seconds, key=final.seconds.__getitem__)
-        chosen[seq] = final.chosen
-        said = [d for d in model.boost_plan.decisions if ".norm)" in d]
-        assert said and "weighed against the alternatives" in said[0], model.boost_plan.decisions
-    assert chosen == {16: "gathered, then whole", 1024: "sharded"}, chosen
+    assert bwd.count((b, s, r)) == 7 * layers and len(bwd) == 9 * layers + 1
 
 
 def test_placements_follow_the_bottlenecks() -> None:
@@ -185,21 +161,21 @@ def test_inductor_graphs_hold_exactly_the_planned_collectives() -> None:
     b, s, r, d, layers = 2, 16, cfg.rank, cfg.d_model, cfg.n_layers
     per_layer_fwd = [(b, s, 3 * r + 1), (b, s, r), (b, s, 2 * r + 1), (b, s, r)]
     per_layer_bwd = [(b, s, 3 * r), (b, s, r), (b, s, 2 * r), (b, s, r)]
-    # + the vocabulary-parallel loss: a max, then [sum exp, target logit], per shifted token.
-    # The final norm feeds the head, not a down factor; at these (latency-bound) sizes the
-    # planner gathers its input and normalises whole, so the head input's gradient (each rank
-    # holds part of the vocabulary) is all-reduced by f. (Larger activations keep the norm
-    # sharded and that gradient one reduce-scatter: test_the_final_norm_is_weighed_by_size.)
+    # + the final norm's statistics (it feeds the LM head's gather, not a down factor),
+    # and the vocabulary-parallel loss: a max, then [sum exp, target logit], per shifted
+    # token; backward: the head input's gradient (each rank holds part of the vocabulary),
+    # reduce-scattered onto the hidden shards (d-major: the scatter splits dim 0).
     tokens = b * (s - 1)
     assert sorted(p for k, p in fwd if k == "all_reduce") == sorted(
-        per_layer_fwd * layers + [(tokens,), (tokens, 2)]
+        per_layer_fwd * layers + [(b, s, 1), (tokens,), (tokens, 2)]
     )
     assert sorted(p for k, p in bwd if k == "all_reduce") == sorted(
-        per_layer_bwd * layers + [(b, s, d)]
+        per_layer_bwd * layers + [(b, s, 1)]
     )
     assert [c for c in fwd if c[0] == "all_gather"] == [("all_gather", (b, s, d // 2))]
     assert not [c for c in bwd if c[0] == "all_gather"]
-    assert not [c for c in fwd + bwd if c[0] == "reduce_scatter"]
+    assert [c for c in bwd if c[0] == "reduce_scatter"] == [("reduce_scatter", (d, b, s))]
+    assert not [c for c in fwd if c[0] == "reduce_scatter"]
     # No tensor on a rank is wider than V/p in the vocabulary: the full logits exist nowhere.
     assert all(shape[-1] != cfg.vocab_size for _, shape in fwd + bwd)
 

@@ -67,7 +67,9 @@ from .peers import PROJS, TORCHTITAN
 # comm_per_layer.py's list (its analytic table knows these names); parallelize also takes NOSP
 STRATEGIES = ("boost", "boost-btp", *TORCHTITAN)
 NOSP = ("dtensor-lowrank-nosp", "dtensor-dense-nosp")  # the previous DTensor baselines
-DENSE = ("dtensor-dense", "dtensor-dense-nosp")  # the strategies that train the dense twin
+# BOOST's planner on the dense twin (no bottleneck), measured against torchtitan's dense plan.
+BOOST_DENSE = "boost-dense"
+DENSE = ("dtensor-dense", "dtensor-dense-nosp", BOOST_DENSE)  # the strategies training the twin
 # BTP alone: group_linears and online_norm off (what those two passes improve on).
 BTP_ONLY = {"group_linears": False, "online_norm": False}
 COMM_PREFIXES = ("gloo:", "nccl:")
@@ -165,7 +167,7 @@ def dtensor_plan(strategy: str, n_layers: int) -> dict[str, Any]:
 
 def parallelize(strategy: str, model: nn.Module, mesh: Any, ids: torch.Tensor, world: int) -> None:
     """Shard ``model`` in place for ``strategy`` on the 1-D ``mesh``."""
-    if strategy in ("boost", "boost-btp"):
+    if strategy in ("boost", "boost-btp", BOOST_DENSE):
         import boost_compiler
 
         options = BTP_ONLY if strategy == "boost-btp" else None
@@ -177,7 +179,9 @@ def parallelize(strategy: str, model: nn.Module, mesh: Any, ids: torch.Tensor, w
         apply_tp(model, mesh, lowrank=strategy not in DENSE, world=world)
         return
     if strategy not in NOSP:
-        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES + NOSP}")
+        raise ValueError(
+            f"unknown strategy {strategy!r}; choose from {(*STRATEGIES, *NOSP, BOOST_DENSE)}"
+        )
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, mesh, dtensor_plan(strategy, len(model.layers)))

@@ -173,7 +173,7 @@ def assign_groups(
 
 
 def placement_of(node: fx.Node) -> Placement | None:
-    """The placement the sharding propagation gave ``node``, or a structural guess for
+    """The placement the planner gave ``node``, or a structural guess for
     nodes later passes inserted (collective outputs are replicated, a reduce's input is
     partial, a piece of a value keeps its placement); None when unknown."""
     pl = node.meta.get(PLACEMENT_META)

@@ -2,7 +2,7 @@
 
 Invariant: these functions only read a graph (its targets, arguments and the fake
 tensors' storages); :func:`is_mutation` is true exactly for the nodes the
-``functionalize`` pass rewrites, so the propagator and capture can ask the same
+``functionalize`` pass rewrites, so the rules and capture can ask the same
 question without importing the pass.
 """
 

@@ -257,7 +257,7 @@ def gather_from_tp(
     (Funcol's own formula, a reduce-scatter, would scale by the world size.)
 
     ``rank`` / ``world_size`` are optional and only checked against the group:
-    the sharding propagator writes them into the FX node so that the graph
+    the applier writes them into the FX node so that the graph
     text, hence AOTAutograd's cache key, differs per rank.
     """
     rank, world = rank_and_size(group, rank, world_size)

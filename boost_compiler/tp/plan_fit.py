@@ -4,7 +4,7 @@ Invariant: :func:`check_fits` refuses, by name and before anything is modified, 
 placement the model cannot take (a parameter missing from the plan or unknown to the
 model, another shape, a partial parameter, a split its size does not divide), and
 :func:`check_blocks_fit` (after planning, before sharding) a blocked split that no fused
-up factor reads. What passes reaches the propagator as fixed placements, which the rules
+up factor reads. What passes reaches the planner as fixed placements, which the rules
 handle exactly: a placement no rule can use is gathered, and the plan lists that gather
 as a fallback (``tests/test_plan_forced.py`` trains random edits against one device).
 """

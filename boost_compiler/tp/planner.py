@@ -243,7 +243,7 @@ class Walk:
         if s.fallback:
             if is_mutation(node):  # gathering a copy and writing into it would lose the write
                 raise MutationError(
-                    f"{describe(node)}: an in-place op reached sharding propagation; the "
+                    f"{describe(node)}: an in-place op reached the sharding planner; the "
                     "'functionalize' pass must run first (this is a boost-compiler bug)"
                 )
             msg = f"{describe(node)}: {s.fallback}"

@@ -2,7 +2,7 @@
 
 Invariant: importing this package registers every built-in rule with
 :mod:`~boost_compiler.tp.rules.registry` (each family module registers its own
-with ``@rule`` when it is imported), so the propagator, which imports it, never
+with ``@rule`` when it is imported), so the planner, which imports it, never
 meets a kind whose built-in rule is missing. :data:`MODULES` lists the modules
 whose source decides what a sharded graph computes (for cache keys).
 """

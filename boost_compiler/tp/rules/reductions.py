@@ -65,7 +65,8 @@ def softmax(ctx: RuleContext, node: fx.Node) -> Strategy:
 def norm(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     """Over the hidden shard: a ``tp_ops`` norm that all-reduces its per-token statistics;
     or the input gathered and the norm computed whole, which the planner weighs where
-    the readers take the normed value whole (a column-parallel layer after it)."""
+    up factors read the normed value (they take it whole: a dense layer's input in a latent
+    chain through the residual, as in a hybrid model's MLP)."""
     x = node.args[0]
     nd = len(shape_of(node))
     if ctx.peek(x) != S(nd - 1) or len(node.args[1]) != 1:
@@ -88,6 +89,10 @@ def norm(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     if any(isinstance(a, fx.Node) and not ctx.is_open(a) and ctx.placement(a) != R
            for a in (weight, bias)):  # fmt: skip
         return s  # a forced split of its weight: kept sharded
+    if not node.users or not all(ctx.role(u) == "up" for u in node.users):
+        # Weighed only where up factors read it (they take it whole): the final norm before
+        # a vocabulary-parallel head stays sharded, the plan costmodel.py's formulas describe.
+        return s
     return [s, Strategy(out=R, whole=True, label="gathered, then whole")]
 
 

@@ -1,4 +1,4 @@
-"""Vocabulary-parallel LM head and cross-entropy rules of the sharding propagator.
+"""Vocabulary-parallel LM head and cross-entropy rules of the sharding planner.
 
 A low-rank body is cheap, so a dense head ``d -> V`` replicated on every rank
 is a large share of each rank's step (BOOST.md, "The head and the loss"). When
