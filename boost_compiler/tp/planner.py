@@ -58,7 +58,9 @@ class Walk:
         self.open: set[fx.Node] = set()
         self.plan: dict[fx.Node, Strategy] = {}
         self.absorbed: set[fx.Node] = set()
-        self.planned: set[tuple[fx.Node, Placement]] = set()  # conversions the plan makes
+        # Conversions the plan makes, in the order made (a dict: the same order on every rank,
+        # where a set of nodes would iterate by their ids).
+        self.planned: dict[tuple[fx.Node, Placement], None] = {}
         self.result = ShardingResult()
         # Open parameters a node read whole while leaving them open (``keep_open``): if one
         # is split later, that node was planned for the whole value and is planned again.
@@ -119,7 +121,7 @@ class Walk:
                 self._commit(node, self._strategy(node))
             else:
                 self.env[node] = R
-        for node in list(self.open):  # parameters only ever read whole
+        for node in [n for n in self.graph.nodes if n in self.open]:  # only ever read whole
             self._decide(node, R)
 
     def _placeholder(self, node: fx.Node) -> None:
@@ -265,10 +267,10 @@ class Walk:
             cur = self.placement(arg)
             if want is not None and want != cur:
                 if want.is_shard and cur.is_shard:
-                    self.planned.add((arg, R))  # another split: through the whole value
-                self.planned.add((read.via if read and read.via else arg, want))
+                    self.planned[(arg, R)] = None  # another split: through the whole value
+                self.planned[(read.via if read and read.via else arg, want)] = None
             if s.rank_varying and (want or cur) == R and requires_grad(arg):
-                self.planned.add((arg, _F))
+                self.planned[(arg, _F)] = None
         if s.note:
             self.result.decisions.append(s.note)
         if s.fuse is not None:
@@ -277,7 +279,7 @@ class Walk:
         self.plan[node] = s
         self.env[node] = s.then.to if s.then is not None else s.out
         if s.then is not None:
-            self.planned.add((node, s.then.to))
+            self.planned[(node, s.then.to)] = None
 
 
 def _inputs(node: fx.Node, s: Strategy) -> list[fx.Node]:
