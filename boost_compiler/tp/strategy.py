@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch.fx as fx
 
-from .placement import P, Placement, R
+from .placement import Placement, R
 
 
 @dataclass(frozen=True)
@@ -186,11 +186,6 @@ def fallback(reason: str = NO_RULE) -> Strategy:
 def replicated() -> Strategy:
     """The op on full values: every input read whole (a partial one is summed first)."""
     return Strategy(out=R, whole=True)
-
-
-def partial(node_bias: fx.Node | None, reason: str) -> Strategy:
-    """A partial result all-reduced at once (row-parallel), its bias added to the sum."""
-    return Strategy(out=P, then=Then(R, reason, node_bias))
 
 
 class RuleContext(Protocol):
