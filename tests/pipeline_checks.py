@@ -52,9 +52,11 @@ def _loss_of(kind: str, ref: Any, ids: torch.Tensor) -> torch.Tensor:
 
 def pipelined_step(
     pp: int, dp: int, tp: int, m: int, *, opt: str = "sgd", schedule: str = "1f1b",
-    steps: int = 2, batch: int = 4, seq: int = 16, model: str = "cola", world: int, mesh: Any,
+    steps: int = 2, batch: int = 4, seq: int = 16, model: str = "cola", compile: bool = False,
+    world: int, mesh: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """``steps`` optimizer steps pipelined at (pp, dp, tp) with ``m`` micro-batches vs one device.
+    """``steps`` optimizer steps pipelined at (pp, dp, tp) with ``m`` micro-batches vs one device
+    (``compile``: each stage's forward through the boost backend).
 
     ``batch`` is the global batch (split over dp, then into ``m`` micro-batches);
     ``model``: ``cola`` (the packaged CoLA-LLaMA) or ``hf`` (see :func:`_models`), 2
@@ -66,7 +68,8 @@ def pipelined_step(
     whole, ref, start, vocab = _models(kind, 2 * pp)
     mesh3 = init_pipeline_mesh(pp, dp, tp)
     dp_rank = mesh3["dp"].get_local_rank()
-    pipe = build_pipeline(whole, mesh3, batch // dp, seq, m, schedule=schedule)
+    pipe = build_pipeline(whole, mesh3, batch // dp, seq, m, schedule=schedule, compile=compile)
+    compiles_before = _boost_compiles()
     optim, ref_optim = _optimizer(opt, pipe.module.parameters()), _optimizer(opt, ref.parameters())
     meter = P2PMeter()
     loss_err = grad_err = 0.0
@@ -113,6 +116,7 @@ def pipelined_step(
         "boundary_bytes": pipe.boundary_bytes,
         "sends": [[list(s), b, peer] for s, b, peer in meter.sends],
         "global_rank": dist.get_rank(),
+        "compiled_graphs": _boost_compiles() - compiles_before,
         "tp_rank": mesh3["tp"].get_local_rank(),
         "dp_rank": dp_rank,
     }
@@ -122,10 +126,11 @@ TRAIN = {"steps": 3, "batch": 4, "seq": 32, "warmup": 1, "clip": 0.5, "log_every
 
 
 def trainer(
-    pp: int, m: int, *, hf_config: str | None = None, checkpoint_dir: str | None = None,
-    pp_layers: tuple[int, ...] | None = None, world: int, mesh: Any,
+    pp: int, m: int | None, *, hf_config: str | None = None, checkpoint_dir: str | None = None,
+    pp_layers: tuple[int, ...] | None = None, compile: bool = False, world: int, mesh: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """``train`` with ``pp``/``microbatches`` (the ``--pp N --microbatches M`` path;
+    """``train`` with ``pp``/``microbatches`` (the ``--pp N --microbatches M`` path, ``m``
+    None: the default count; ``compile``: compiled stages;
     ``hf_config``: ``--hf-config DIR``, a transformers Llama; ``checkpoint_dir``: saved at
     the end, the checkpoint's path returned; ``pp_layers``: ``--pp-layers``). Also returns
     the stages' layers as the trainer split them."""
@@ -141,29 +146,25 @@ def trainer(
         return specs
 
     pipeline_mod.split_layers = recording_split
+    compiles_before = _boost_compiles()
     try:
-        cfg = TrainConfig(**TRAIN, pp=pp, microbatches=m, tp=world // pp, compile=False,
+        cfg = TrainConfig(**TRAIN, pp=pp, microbatches=m, tp=world // pp, compile=compile,
                           progress=False, hf_config=hf_config, pp_layers=pp_layers,
                           checkpoint_dir=checkpoint_dir)  # fmt: skip
         res = train(cfg)
     finally:
         pipeline_mod.split_layers = split
     return {"losses": res.losses, "grad_norms": res.grad_norms, "stages": stages,
-            "checkpoint": str(res.checkpoint) if res.checkpoint else None}  # fmt: skip
+            "checkpoint": str(res.checkpoint) if res.checkpoint else None,
+            "compiled_graphs": _boost_compiles() - compiles_before}  # fmt: skip
 
 
-def resumed_trainer(
-    pp: int, dp: int, tp: int, ckdir: str, stop_at: int, *, steps: int, m: int = 2,
-    world: int, mesh: Any, **kw: Any,
-) -> dict[str, Any]:  # fmt: skip
-    """``train`` at (pp, dp, tp) up to step ``stop_at`` of ``steps``, resuming from and saving
-    to ``ckdir`` (the ``--checkpoint-dir ... --resume --stop-at`` path)."""
-    from boost_compiler.train import TrainConfig, train
+def _boost_compiles() -> int:
+    """Graphs Inductor compiled or loaded from its caches in this process so far (torch's
+    counters, not the config). The eager route of a parallelized stage goes through dynamo
+    too, with no Inductor: it counts 0."""
+    from torch._dynamo.utils import counters
 
-    del mesh, world
-    cfg = TrainConfig(**{**TRAIN, "steps": steps}, pp=pp, dp=dp, tp=tp, microbatches=m,
-                      checkpoint_dir=ckdir, resume=True, stop_at=stop_at, compile=False,
-                      progress=False, **kw)  # fmt: skip
-    res = train(cfg)
-    return {"losses": res.losses, "grad_norms": res.grad_norms, "start": res.start_step,
-            "checkpoint": str(res.checkpoint)}  # fmt: skip
+    inductor = sum(counters["inductor"][k] for k in
+                   ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass"))  # fmt: skip
+    return int(inductor + counters["aot_autograd"]["autograd_cache_hit"])

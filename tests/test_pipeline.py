@@ -38,7 +38,10 @@ HAS_HF = REQUIRED or importlib.util.find_spec("transformers") is not None
 
 @pytest.fixture(scope="module")
 def four() -> dict:
-    checks: list[tuple] = [("pp2dp1tp2", FN, (2, 1, 2, 2))]
+    checks: list[tuple] = [
+        ("pp2dp1tp2", FN, (2, 1, 2, 2)),
+        ("pp2dp1tp2/compiled", FN, (2, 1, 2, 2), {"compile": True}),
+    ]
     if HAS_HF:
         checks.append(("hf/pp2dp1tp2", FN, (2, 1, 2, 2), {"model": "hf"}))
     if FULL:
@@ -76,7 +79,7 @@ def two(llama_config: str | None, hf_ckpt: str) -> dict:
     checks: list[tuple] = [("pp2dp1tp1", FN, (2, 1, 1, 2)),
                            ("pp2dp1tp1/gpipe-adamw", FN, (2, 1, 1, 2),
                             {"schedule": "gpipe", "opt": "adamw"}),
-                           ("train/pp2", trainer, (2, 2)),
+                           ("train/pp2", trainer, (2, None), {"compile": True}),
                            ("train/pp2-layers", trainer, (2, 2), {"pp_layers": (2, 0)})]  # fmt: skip
     if HAS_HF:
         checks += [("hf/pp2dp1tp1", FN, (2, 1, 1, 2), {"model": "hf"}),
@@ -141,6 +144,16 @@ def test_pp2_tp2_is_exact_and_sends_shards(four: dict) -> None:
     assert (model.p2p, model.tp_gather) == (res["boundary_bytes"], full_bytes)
 
 
+def test_pp2_tp2_compiled_stages_are_exact(four: dict) -> None:
+    """Each stage's forward through the boost backend (its BTP plan at tp=2): loss,
+    gathered gradients and parameters after 2 steps equal one eager device's; every rank
+    compiled graphs, and the boundary still carries shards."""
+    res = result_of(four, "pp2dp1tp2/compiled")
+    _check_exact(res, 2, 1, 2, 2)
+    assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
+    assert all(r["compiled_graphs"] == 0 for r in result_of(four, "pp2dp1tp2")["ranks"])
+
+
 def test_pp2_tp1_is_exact(two: dict) -> None:
     _check_exact(result_of(two, "pp2dp1tp1"), 2, 1, 1, 2)
 
@@ -171,8 +184,9 @@ def test_pp2_tp2_hf_llama_is_exact_and_sends_shards(four: dict) -> None:
 
 @pytest.mark.parametrize("key", ["train/pp2", "train/pp2-layers", "train/hf-pp2"])
 def test_trainer_pp_path_matches_one_process(two: dict, llama_config: str | None, key: str) -> None:
-    """``train(pp=2, microbatches=2)``: losses and clipped-norm inputs equal tp=pp=1's
-    (the packaged CoLA-LLaMA, and ``--hf-config`` with a transformers Llama)."""
+    """``train(pp=2)``: losses and clipped-norm inputs equal tp=pp=1's eager ones (the
+    packaged CoLA-LLaMA, and ``--hf-config`` with a transformers Llama). ``train/pp2`` is
+    ``--pp 2`` with no other flag: compiled stages, the default micro-batch count."""
     from boost_compiler.train import TrainConfig, train
     from tests.pipeline_checks import TRAIN
 
@@ -188,6 +202,8 @@ def test_trainer_pp_path_matches_one_process(two: dict, llama_config: str | None
             assert abs(got[s] - want.losses[s]) <= 1e-5 * abs(want.losses[s]), (got, want.losses)
             assert abs(norms[s] - want.grad_norms[s]) <= 1e-5 * want.grad_norms[s]
     assert want.grad_norms[0] > 0.5  # clipping was active
+    if key == "train/pp2":
+        assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
     if key == "train/pp2-layers":  # --pp-layers 2,0: the last stage is the norm and head alone
         assert all(r["stages"] == [[[0, 1], []]] for r in res["ranks"]), res["ranks"]
 

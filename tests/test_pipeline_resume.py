@@ -428,11 +428,26 @@ def test_comm_errors_become_rank_failures_others_pass() -> None:
         dist.destroy_process_group()
 
 
+def test_pp_micro_batches_default_to_what_1f1b_needs() -> None:
+    """``--pp N`` alone: the smallest divisor of the per-dp batch >= 2 pp, else >= pp; a
+    per-dp batch below pp is refused naming the batch it needs."""
+    from boost_compiler.train.config import TrainConfigError
+
+    assert TrainConfig(pp=2).micro_batches(1) == 4  # the default batch 8
+    assert TrainConfig(pp=2, batch=6).micro_batches(1) == 6
+    assert TrainConfig(pp=2, batch=2).micro_batches(1) == 2  # < 2 pp: what 1F1B needs
+    assert TrainConfig(pp=4, batch=24).micro_batches(2) == 12  # 12 per rank: 8 does not divide
+    assert TrainConfig(pp=2, microbatches=1, batch=4).micro_batches(1) == 1  # as given
+    with pytest.raises(TrainConfigError, match="raise --batch to at least 4"):
+        TrainConfig(pp=2, batch=2).validate(4)  # dp = 2: one sequence per dp rank
+
+
 def test_config_pp_checkpoints_and_timeout() -> None:
     from boost_compiler.train.config import TrainConfigError
 
     TrainConfig(pp=2, microbatches=2, compile=False, checkpoint_dir="x", batch=4).validate(2)
-    with pytest.raises(TrainConfigError, match="--no-compile"):
-        TrainConfig(pp=2, microbatches=2, checkpoint_dir="x", batch=4).validate(2)
+    TrainConfig(pp=2, microbatches=2, checkpoint_dir="x", batch=4).validate(2)  # compiled
+    with pytest.raises(TrainConfigError, match="divide by dp x microbatches"):
+        TrainConfig(pp=2, microbatches=3, batch=4).validate(2)
     with pytest.raises(TrainConfigError, match="comm_timeout"):
         TrainConfig(comm_timeout=0).validate(1)

@@ -48,7 +48,7 @@ class TrainConfig:
     tp: int = 1
     dp: int | None = None  # None: world size // (tp * pp)
     pp: int = 1  # pipeline stages (train/pipeline.py), 1F1B over `microbatches`
-    microbatches: int = 1  # per dp rank and step, when pp > 1
+    microbatches: int | None = None  # per dp rank and step, when pp > 1; None: see micro_batches
     pp_layers: tuple[int, ...] | None = None  # decoder layers per stage; None: as even as can be
     steps: int = 100
     stop_at: int | None = None  # leave after this many steps (schedule still over `steps`)
@@ -103,7 +103,7 @@ class TrainConfig:
         self._validate_run_folder()
         positive = ("tp", "pp", "microbatches", "steps", "batch", "seq")
         for name in positive:
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise TrainConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dp is not None and self.dp <= 0:
             raise TrainConfigError(f"dp must be positive, got {self.dp}")
@@ -121,23 +121,18 @@ class TrainConfig:
                     f"pp ({self.pp}) x dp ({dp}) x tp ({self.tp}) must equal the world size "
                     f"({world})"
                 )
-            if self.pp > 1 and self.batch % (dp * self.microbatches):
-                raise TrainConfigError(
-                    f"the global batch ({self.batch}) must divide by dp x microbatches "
-                    f"({dp} x {self.microbatches})"
-                )
             if self.batch % dp:
                 raise TrainConfigError(
                     f"the global batch ({self.batch}) must divide by dp ({dp}): every dp rank "
                     "takes an equal, disjoint slice"
                 )
+            if self.pp > 1:
+                self.micro_batches(dp)  # raises when the batch cannot be cut as asked
         if self.pp_layers is not None and len(self.pp_layers) != self.pp:
             raise TrainConfigError(
                 f"--pp-layers {','.join(map(str, self.pp_layers))} names {len(self.pp_layers)} "
                 f"stage(s), --pp is {self.pp}: give one layer count per stage"
             )
-        if self.pp > 1 and self.compile:
-            raise TrainConfigError("--pp > 1 runs eagerly for now: add --no-compile")
         if self.comm_timeout <= 0:
             raise TrainConfigError(f"comm_timeout must be positive, got {self.comm_timeout}")
         if (self.resume or self.resume_or_start or self.save_every) and not self.checkpoint_dir:
@@ -145,6 +140,27 @@ class TrainConfig:
                 "--resume, --resume-or-start and --save-every need --checkpoint-dir"
             )
         self._validate_data()
+
+    def micro_batches(self, dp: int) -> int:
+        """Micro-batches per dp rank and step: ``--microbatches``, or by default the
+        smallest divisor of the per-rank batch that is at least ``2 * pp`` (a 1F1B bubble
+        of at most a third), else the smallest that is at least ``pp`` (what 1F1B needs)."""
+        local = self.batch // dp
+        if self.microbatches is not None:
+            if local % self.microbatches:
+                raise TrainConfigError(
+                    f"the global batch ({self.batch}) must divide by dp x microbatches "
+                    f"({dp} x {self.microbatches})"
+                )
+            return self.microbatches
+        fits = [m for m in range(self.pp, local + 1) if local % m == 0]
+        if not fits:
+            raise TrainConfigError(
+                f"--pp {self.pp} needs at least {self.pp} micro-batches per dp rank, but each "
+                f"of the {dp} dp rank(s) has {local} sequence(s): raise --batch to at least "
+                f"{self.pp * dp}"
+            )
+        return next((m for m in fits if m >= 2 * self.pp), fits[0])
 
     def _validate_numbers(self) -> None:
         """argparse's ``float`` takes ``nan`` and ``inf``: refuse them (and a negative lr) here,
@@ -270,9 +286,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=s, help="tensor-parallel degree (BTP) (1)")
     p.add_argument("--dp", type=int, default=s, help="data-parallel degree (world / tp / pp)")
     p.add_argument("--pp", type=int, default=s,
-                   help="pipeline stages, 1F1B; needs --no-compile; checkpoints load at any "
-                   "(pp, dp, tp) (1)")  # fmt: skip
-    p.add_argument("--microbatches", type=int, default=s, help="micro-batches per step (1)")
+                   help="pipeline stages, 1F1B, each stage compiled unless --no-compile; "
+                   "checkpoints load at any (pp, dp, tp) (1)")  # fmt: skip
+    p.add_argument("--microbatches", type=int, default=s, help="micro-batches per dp rank and step, with --pp (the smallest divisor "
+                   "of the per-rank batch >= 2 x pp, else >= pp)")  # fmt: skip
     p.add_argument("--pp-layers", type=_layer_counts, default=s, metavar="N,N,...",
                    help="decoder layers of each pipeline stage, e.g. 3,5 (default: an even "
                    "split, extra layers to the middle stages)")  # fmt: skip

@@ -243,8 +243,13 @@ def _train(
                  run.dp, run.tp)  # fmt: skip
     metrics = Metrics(cfg.metrics, append=result.start_step > 0, enabled=rank == 0,
                       tensorboard=board)  # fmt: skip
+    if run.pipe is not None:
+        log.info("pipeline: %d stages, %d micro-batches of %d per dp rank, %s",
+                 cfg.pp, run.pipe.n_microbatches, run.pipe.boundary_shape[0],
+                 "compiled" if cfg.compile else "eager")  # fmt: skip
     metrics.write({"event": "start", "step": result.start_step, "pp": cfg.pp, "dp": run.dp,
                    "tp": run.tp,
+                   "microbatches": run.pipe.n_microbatches if run.pipe is not None else None,
                    "fsdp": run.fsdp, "compile": cfg.compile, "world": dist.get_world_size(),
                    "tp_collective_bytes_per_step": run.tp_bytes,
                    "dp_collective_bytes_per_step": run.dp_bytes,

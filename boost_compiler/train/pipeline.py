@@ -257,11 +257,14 @@ def build_pipeline(
     schedule: str = "1f1b",
     fsdp: bool = True,
     options: dict[str, Any] | None = None,
+    compile: bool = False,
 ) -> Pipeline:
     """This rank's stage of ``model`` (a ``ColaLlama`` or a transformers
     ``LlamaForCausalLM``, see ``pipeline_hf``; identical on every rank).
 
-    ``batch`` is the per-dp-rank batch of one step, cut into ``n_microbatches``.
+    ``batch`` is the per-dp-rank batch of one step, cut into ``n_microbatches``;
+    ``compile``: the stage's forward through ``torch.compile(backend="boost")`` (the
+    boundary conversions and the schedule stay eager around it).
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -289,6 +292,10 @@ def build_pipeline(
     args, kwargs = _stage_examples(spec, d_model, mb, seq, dtype, device)
     if tp > 1:
         boost_compiler.parallelize(stage_mod, mesh["tp"], args, kwargs, options)
+    if compile:
+        # As the loop does under FSDP2: the module (its hooks, the boundary) stays eager,
+        # the forward it calls is compiled, with this stage's BTP plan at tp > 1.
+        stage_mod.forward = torch.compile(stage_mod.forward, backend="boost")  # type: ignore[method-assign]
     module: nn.Module = BoundaryStage(stage_mod, mesh["tp"].get_group() if tp > 1 else None)
     if dp > 1 and fsdp:
         from torch.distributed.fsdp import fully_shard

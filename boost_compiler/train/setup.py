@@ -209,8 +209,8 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     model_keys = list(model.state_dict().keys())  # before the split: every stage's names
     fsdp = dp > 1 and cfg.fsdp
     pipe = build_pipeline(
-        model, mesh, cfg.batch // dp, cfg.seq, cfg.microbatches, fsdp=fsdp,
-        layer_counts=cfg.pp_layers,
+        model, mesh, cfg.batch // dp, cfg.seq, cfg.micro_batches(dp), fsdp=fsdp,
+        layer_counts=cfg.pp_layers, compile=cfg.compile,
     )  # fmt: skip
     stage = pipe.module.stage
     layout = ckpt.model_layout(stage, mesh["tp"] if tp > 1 else None)
