@@ -38,25 +38,45 @@ def _models(kind: str, n_layers: int) -> tuple[Any, Any, Any, int]:
     if kind == "cola":
         a, b, c = (cola.build("tiny", seed=0, n_layers=n_layers) for _ in range(3))
         return a, b, c, 256
+    if kind.startswith("zoo:"):  # a zoo family (tests/zoo_checks.py), its head untied
+        from tests import zoo_checks
+
+        a, b, c = (zoo_checks.build(kind[4:], tie_word_embeddings=False,
+                                    num_hidden_layers=n_layers) for _ in range(3))  # fmt: skip
+        return a, b, c, zoo_checks.VOCAB
     from tests.models import HF_VOCAB, make_hf
 
     model, ref, start = (make_hf(0, layers=n_layers)[0] for _ in range(3))
     return model, ref, start, HF_VOCAB
 
 
-def _loss_of(kind: str, ref: Any, ids: torch.Tensor) -> torch.Tensor:
+def _loss_of(kind: str, ref: Any, ids: torch.Tensor, masks: dict[str, Any]) -> torch.Tensor:
     if kind == "cola":
         return ref(ids, labels=ids)
-    return ref(ids, labels=ids, use_cache=False).loss
+    labels = masks.get("labels", ids)
+    extra = {k: v for k, v in masks.items() if k != "labels"}
+    return ref(ids, labels=labels, use_cache=False, **extra).loss
+
+
+def _padded(ids: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
+    """Left padding of a different length in every row (so micro-batches hold different
+    numbers of labelled tokens): the attention mask, position ids from the first real
+    token, and labels -100 on the padding."""
+    b, s = ids.shape
+    pad = torch.randint(0, s // 2, (b,), generator=torch.Generator().manual_seed(100 + step))
+    mask = (torch.arange(s).expand(b, s) >= pad[:, None]).long()
+    return {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+            "labels": ids.masked_fill(mask == 0, -100)}  # fmt: skip
 
 
 def pipelined_step(
     pp: int, dp: int, tp: int, m: int, *, opt: str = "sgd", schedule: str = "1f1b",
     steps: int = 2, batch: int = 4, seq: int = 16, model: str = "cola", compile: bool = False,
-    world: int, mesh: Any,
+    padded: bool = False, world: int, mesh: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """``steps`` optimizer steps pipelined at (pp, dp, tp) with ``m`` micro-batches vs one device
-    (``compile``: each stage's forward through the boost backend).
+    (``compile``: each stage's forward through the boost backend; ``padded``: left-padded
+    rows with attention masks and position ids, a transformers ``model`` only).
 
     ``batch`` is the global batch (split over dp, then into ``m`` micro-batches);
     ``model``: ``cola`` (the packaged CoLA-LLaMA) or ``hf`` (see :func:`_models`), 2
@@ -68,7 +88,8 @@ def pipelined_step(
     whole, ref, start, vocab = _models(kind, 2 * pp)
     mesh3 = init_pipeline_mesh(pp, dp, tp)
     dp_rank = mesh3["dp"].get_local_rank()
-    pipe = build_pipeline(whole, mesh3, batch // dp, seq, m, schedule=schedule, compile=compile)
+    pipe = build_pipeline(whole, mesh3, batch // dp, seq, m, schedule=schedule, compile=compile,
+                          masks=padded)  # fmt: skip
     compiles_before = _boost_compiles()
     optim, ref_optim = _optimizer(opt, pipe.module.parameters()), _optimizer(opt, ref.parameters())
     meter = P2PMeter()
@@ -78,15 +99,17 @@ def pipelined_step(
     ref_params = dict(ref.named_parameters())
     for step in range(steps):
         ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(step))
+        masks = _padded(ids, step) if padded else {}
+        mine = {k: v.chunk(dp)[dp_rank] for k, v in masks.items()}
         with meter.watch():
-            loss = pipe.step(ids.chunk(dp)[dp_rank])
+            loss = pipe.step(ids.chunk(dp)[dp_rank], **mine)
         # the dp ranks saw disjoint rows: the global mean loss is their mean
         value = loss.reshape(1).clone()
         dist.all_reduce(value, group=mesh3["dp"].get_group())
         grads = pipe.full_state_dict(grads=True)
         optim.step()
         optim.zero_grad(set_to_none=True)
-        want = _loss_of(kind, ref, ids)
+        want = _loss_of(kind, ref, ids, masks)
         want.backward()
         for name, g in grads.items():
             err = _rel(g, ref_params[name].grad)
@@ -168,3 +191,20 @@ def _boost_compiles() -> int:
     inductor = sum(counters["inductor"][k] for k in
                    ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass"))  # fmt: skip
     return int(inductor + counters["aot_autograd"]["autograd_cache_hit"])
+
+
+def resumed_trainer(
+    pp: int, dp: int, tp: int, ckdir: str, stop_at: int, *, steps: int, m: int = 2,
+    world: int, mesh: Any, **kw: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """``train`` at (pp, dp, tp) up to step ``stop_at`` of ``steps``, resuming from and saving
+    to ``ckdir`` (the ``--checkpoint-dir ... --resume --stop-at`` path)."""
+    from boost_compiler.train import TrainConfig, train
+
+    del mesh, world
+    cfg = TrainConfig(**{**TRAIN, "steps": steps}, pp=pp, dp=dp, tp=tp, microbatches=m,
+                      checkpoint_dir=ckdir, resume=True, stop_at=stop_at, compile=False,
+                      progress=False, **kw)  # fmt: skip
+    res = train(cfg)
+    return {"losses": res.losses, "grad_norms": res.grad_norms, "start": res.start_step,
+            "checkpoint": str(res.checkpoint)}  # fmt: skip

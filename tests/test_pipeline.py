@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,6 +84,7 @@ def two(llama_config: str | None, hf_ckpt: str) -> dict:
                            ("train/pp2-layers", trainer, (2, 2), {"pp_layers": (2, 0)})]  # fmt: skip
     if HAS_HF:
         checks += [("hf/pp2dp1tp1", FN, (2, 1, 1, 2), {"model": "hf"}),
+                   ("zoo/qwen3-padded", FN, (2, 1, 1, 2), {"model": "zoo:qwen3", "padded": True}),
                    ("train/hf-pp2", trainer, (2, 2),
                     {"hf_config": llama_config, "checkpoint_dir": hf_ckpt})]  # fmt: skip
     return run_world(2, checks)
@@ -98,10 +100,18 @@ ENDS = {
     "cola": ({"embed.weight"}, {"lm_head.weight", "norm.weight"}),
     "hf": ({"model.embed_tokens.weight"}, {"lm_head.weight", "model.norm.weight"}),
 }
+ENDS["zoo"] = ENDS["hf"]
 
 
 def _check_exact(
-    res: dict, pp: int, dp: int, tp: int, m: int, batch: int = 4, model: str = "cola"
+    res: dict,
+    pp: int,
+    dp: int,
+    tp: int,
+    m: int,
+    batch: int = 4,
+    model: str = "cola",
+    steps: int = 2,
 ) -> None:
     rks = res["ranks"]
     assert len(rks) == pp * dp * tp
@@ -123,7 +133,7 @@ def _check_exact(
     for r in rks:
         assert r["boundary_shape"] == shard
         assert r["boundary_bytes"] == shard[0] * shard[1] * shard[2] * 4
-        assert len(r["sends"]) == 2 * m  # m activations (or m gradients) per step, 2 steps
+        assert len(r["sends"]) == steps * m  # m activations (or m gradients) per step
         peer_stage = 1 if r["stage"] == 0 else 0
         (peer,) = [q for q in rks if q["stage"] == peer_stage and q["tp_rank"] == r["tp_rank"]
                    and q["dp_rank"] == r["dp_rank"]]  # fmt: skip
@@ -232,6 +242,26 @@ def test_pp2_hf_checkpoint_exports_the_one_process_model(
     assert max(errs.values()) <= RTOL, max(errs, key=errs.__getitem__)
 
 
+def test_pp2_padded_qwen3_is_exact(two: dict) -> None:
+    """Qwen3 (a zoo family, found by structure) on left-padded rows of different lengths:
+    every micro-batch holds a different number of labelled tokens, and the pipelined
+    loss, gradients and parameters still equal one device's on the whole batch."""
+    _needs_hf("hf/")
+    res = result_of(two, "zoo/qwen3-padded")
+    _check_exact(res, 2, 1, 1, 2, model="zoo")
+
+
+@pytest.mark.skipif(not FULL, reason="compiles 4 ranks twice (minutes on 2 cores)")
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_pp2_tp2_compiled_hf_families_are_exact(family: str) -> None:
+    """pp=2 x tp=2, compiled stages, padded batches: Qwen3 and Gemma 3 after 3 steps."""
+    need("transformers")
+    kw = {"model": f"zoo:{family}", "padded": True, "compile": True, "steps": 3}
+    res = result_of(run_world(4, [(family, FN, (2, 1, 2, 2), kw)]), family)
+    _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3)
+    assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
+
+
 @pytest.mark.skipif(not FULL, reason=FULL_REASON)
 def test_pp2_dp2_is_exact(four: dict) -> None:
     _check_exact(result_of(four, "pp2dp2tp1"), 2, 2, 1, 2, batch=8)
@@ -263,25 +293,58 @@ def test_split_layers() -> None:
         split_layers(2, 3, [1, 0, 1])
 
 
-def test_hf_stages_chain_to_the_whole_model() -> None:
-    """In one process: the 3 stages of a 6-layer (to_low_rank cola) Llama, run one after the
-    other, give the whole model's loss and gradients, under the whole model's names."""
-    need("transformers")
+def _chain(family: str, checked: bool = True) -> tuple[Any, Any, list[Any], Any]:
+    """The 3 stages of a 6-layer zoo ``family`` (CoLA, untied head; where the config has
+    per-layer types, a mix of sliding and full attention, so a stage that indexed them by
+    its own loop position would pick the wrong mask), run one after the other on a padded
+    batch with position ids, and the whole model on the same batch: (loss, whole loss,
+    stages, whole model)."""
     import copy
 
     import torch
 
-    from boost_compiler.train.pipeline_hf import HFLlamaStage
-    from tests.models import make_hf
+    from boost_compiler.train.pipeline_hf import hf_stage
+    from tests import zoo_checks
 
-    model, (ids,) = make_hf(0, layers=6)
+    kinds = ["sliding_attention"] * 2 + ["full_attention"] * 3 + ["sliding_attention"]
+    mixed = {"layer_types": kinds, "sliding_window": 4,
+             "use_sliding_window": True, "max_window_layers": 6}  # fmt: skip
+    base = zoo_checks.build(family, tie_word_embeddings=False, num_hidden_layers=6)
+    extra = mixed if getattr(base.config, "layer_types", None) is not None else {}
+    model = zoo_checks.build(family, tie_word_embeddings=False, num_hidden_layers=6, **extra)
     ref = copy.deepcopy(model)
-    stages = [HFLlamaStage(model, s) for s in split_layers(6, 3)]
+    stages = [hf_stage(model, s, checked) for s in split_layers(6, 3)]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 100, (2, 12), generator=gen)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0  # a left-padded row
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    labels = ids.masked_fill(mask == 0, -100)
     hidden = ids
     for st in stages[:-1]:
-        hidden = st(hidden)
-    loss = stages[-1](hidden, labels=ids)
-    want = ref(ids, labels=ids, use_cache=False).loss
+        hidden = st(hidden, attention_mask=mask, position_ids=pos)
+    loss = stages[-1](hidden, labels=labels, attention_mask=mask, position_ids=pos)
+    want = ref(ids, attention_mask=mask, position_ids=pos, labels=labels, use_cache=False).loss
+    return loss, want, stages, ref
+
+
+CHAIN_FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3",
+                  "olmo2", "cohere", "stablelm", "starcoder2", "gpt_neox", "mixtral",
+                  "qwen3_moe", "deepseek_v3"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", CHAIN_FAMILIES)
+def test_hf_stages_chain_to_the_whole_model(family: str) -> None:
+    """In one process: a family's 3 stages, chained, give the whole model's loss and
+    gradients on a padded batch, under the whole model's names; every zoo family with a
+    dense decoder stack, and the list the stage builder accepts is exactly these."""
+    need("transformers")
+    import torch
+
+    from boost_compiler.train.pipeline_hf import CHECKED
+
+    loss, want, stages, ref = _chain(family)
+    assert stages[0].config.model_type in CHECKED
     torch.testing.assert_close(loss, want, rtol=RTOL, atol=0)
     loss.backward()
     want.backward()
@@ -291,16 +354,34 @@ def test_hf_stages_chain_to_the_whole_model() -> None:
     for st in stages:
         for name, prm in st.named_parameters():
             torch.testing.assert_close(prm.grad, ref_params[name].grad, rtol=RTOL, atol=1e-8)
-    assert sorted(stages[1].state_dict())[0].startswith("model.layers.2.")  # global indices
+    first = sorted(stages[1].state_dict())[0]
+    assert first.startswith(f"{ref.base_model_prefix}.layers.2."), first  # global indices
+
+
+def test_checked_families_are_the_chain_tests() -> None:
+    need("transformers")
+    from boost_compiler.train.pipeline_hf import CHECKED
+    from tests import zoo_checks
+
+    kinds = {zoo_checks.build(f).config.model_type for f in CHAIN_FAMILIES}
+    assert kinds == set(CHECKED)
 
 
 def test_hf_stages_refuse_other_layouts() -> None:
-    """Families whose layer loop is not Llama's, and a head tied to the embedding."""
+    """Granite (its base model scales inputs_embeds: refused, and its stages forced past
+    the refusal indeed do not chain), GPT-2 (learned positions beside the layers), and a
+    head tied to the embedding."""
     need("transformers")
-    from boost_compiler.train.pipeline_hf import HFLlamaStage, hf_dims
+    from boost_compiler.train.pipeline_hf import hf_dims, hf_stage
     from tests.models import hf_decoder
 
-    with pytest.raises(PipelineError, match="'qwen2'"):
-        HFLlamaStage(hf_decoder("qwen2"), split_layers(2, 2)[0])
+    with pytest.raises(PipelineError, match="'granite'.*embedding_multiplier"):
+        _chain("granite")
+    loss, want, _, _ = _chain("granite", checked=False)
+    assert abs(loss.item() - want.item()) > 1e-4 * abs(want.item())  # the refusal's reason
+    with pytest.raises(PipelineError, match="'gpt2'"):
+        hf_stage(hf_decoder("gpt2"), split_layers(2, 2)[0])
+    with pytest.raises(PipelineError, match=r"\['wpe', 'ln_f'\] hold parameters"):
+        hf_stage(hf_decoder("gpt2"), split_layers(2, 2)[0], checked=False)
     assert hf_dims(hf_decoder("llama")) == (2, 64, False)
     assert hf_dims(hf_decoder("llama", tie_word_embeddings=True))[2]

@@ -12,8 +12,8 @@
   low-rank already and is trained on as it is.
 
 From there the trainer treats it as it treats the CoLA-LLaMA (BTP over ``tp`` with the
-loss in the graph, FSDP2 over ``dp``; at ``--pp > 1`` a Llama is cut into stages by
-decoder layer, :mod:`.pipeline_hf`, other families are refused there); only the call
+loss in the graph, FSDP2 over ``dp``; at ``--pp > 1`` the model is cut into stages by
+decoder layer, :mod:`.pipeline_hf`, which names the families it splits); only the call
 differs, HF's
 ``model(ids, labels=ids, use_cache=False).loss`` (:class:`LossForward`). The checkpoint's
 ``train_state.json`` keeps the model's config with its low-rank layout

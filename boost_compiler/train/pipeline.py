@@ -1,7 +1,7 @@
 """Pipeline parallelism over ``pp``, BTP inside each stage over ``tp``, FSDP2 over ``dp``.
 
 Layout: a 3-D ``DeviceMesh`` ``(pp, dp, tp)``. The CoLA-LLaMA (or a transformers
-``LlamaForCausalLM``: ``pipeline_hf``) is cut by layer into ``pp`` stages (stage 0:
+causal LM: ``pipeline_hf``) is cut by layer into ``pp`` stages (stage 0:
 embedding + its layers; the last: its layers + final norm + LM head + loss); each
 stage module is parallelized on its own with
 ``parallelize(stage, mesh["tp"], <that stage's micro-batch inputs>)`` and, at
@@ -99,12 +99,14 @@ class BoundaryStage(nn.Module):
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
         self.group = group_name_of(tp_group) if tp_group is not None else ""
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor | None = None, **masks: torch.Tensor
+    ) -> torch.Tensor:
         spec = self.stage.spec
         if self.tp > 1 and not spec.first:
             x = gather_from_tp(_ContiguousGrad.apply(x), -1, self.group, self.tp_rank, self.tp)
         # Only the last stage was captured with labels: the others' graphs take none.
-        out = self.stage(x, labels=labels) if spec.last else self.stage(x)
+        out = self.stage(x, labels=labels, **masks) if spec.last else self.stage(x, **masks)
         if self.tp > 1 and not spec.last:
             # gloo sends only contiguous buffers; a slice of the last dim is not one
             out = scatter_to_tp(out, -1, self.group, self.tp_rank, self.tp).contiguous()
@@ -137,10 +139,26 @@ def init_pipeline_mesh(
     return device_mesh(device, (pp, dp, tp), ("pp", "dp", "tp"), timeout)
 
 
-def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    # The last stage's graph already computed the loss (sharded head and cross-entropy
-    # under BTP), so the schedule's loss function passes it through.
-    return output
+IGNORE_INDEX = -100  # the label of a position no loss is taken at (HF's, torch's default)
+
+
+@dataclass
+class TokenWeightedLoss:
+    """The schedule's loss function. The last stage's graph already computed each
+    micro-batch's loss (sharded head and cross-entropy under BTP): a mean over that
+    micro-batch's labelled tokens. Weighted by ``m * dp * n_i / N`` (``n_i`` its labelled
+    tokens, ``N`` the global batch's), the schedule's mean over micro-batches and FSDP2's
+    over dp give the mean over every labelled token, which is what one device computes on
+    a padded batch; with no padding every weight is exactly 1."""
+
+    micro_batches: int
+    dp: int
+    total: torch.Tensor | None = None  # N, set by Pipeline.step before each schedule step
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self.total is not None, "Pipeline.step sets the token count first"
+        n = (target[:, 1:] != IGNORE_INDEX).sum()
+        return output * (n * (self.micro_batches * self.dp)) / self.total
 
 
 @dataclass
@@ -155,6 +173,7 @@ class Pipeline:
     n_microbatches: int
     boundary_shape: tuple[int, ...]  # what one micro-batch sends across a boundary, per rank
     dtype: torch.dtype = torch.float32
+    loss_fn: TokenWeightedLoss = field(default_factory=lambda: TokenWeightedLoss(1, 1))
     losses: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -166,19 +185,31 @@ class Pipeline:
             n *= s
         return n * self.dtype.itemsize
 
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, ids: torch.Tensor, labels: torch.Tensor | None = None, **masks: torch.Tensor
+    ) -> torch.Tensor:
         """Forward + backward of the local batch ``ids`` in micro-batches; the mean loss.
 
         A collective over the pipeline: every rank calls it with its dp rank's batch.
-        Gradients land in the parameters (averaged over micro-batches, and over dp by
-        FSDP2); the loss is broadcast from the last stage to every stage.
+        ``labels`` (default ``ids``; ``-100`` where no loss is taken, as in a padded row)
+        and ``masks`` (``attention_mask``, ``position_ids``: those the pipeline was built
+        with) are cut into the same micro-batches. Gradients land in the parameters: the
+        gradient of the mean loss over the labelled tokens of the global batch (see
+        :class:`TokenWeightedLoss`); the loss is broadcast from the last stage to every
+        stage, this dp rank's share of that mean times dp.
         """
         self.losses = []
-        kwargs = {"labels": ids}
+        labels = ids if labels is None else labels
+        if self.spec.last:
+            total = (labels[:, 1:] != IGNORE_INDEX).sum().reshape(1)
+            if self.mesh["dp"].size() > 1:
+                dist.all_reduce(total, group=self.mesh["dp"].get_group())
+            self.loss_fn.total = total[0]
+        kwargs = {"labels": labels, **masks}
         if self.spec.first:
             self.schedule.step(ids, return_outputs=False, **kwargs)
         elif self.spec.last:
-            self.schedule.step(target=ids, losses=self.losses, return_outputs=False, **kwargs)
+            self.schedule.step(target=labels, losses=self.losses, return_outputs=False, **kwargs)
         else:
             self.schedule.step(return_outputs=False, **kwargs)
         loss = torch.zeros((), dtype=torch.float32, device=ids.device)
@@ -221,19 +252,25 @@ class Pipeline:
 
 
 def _stage_examples(
-    spec: StageSpec, d_model: int, mb: int, seq: int, dtype: torch.dtype, device: torch.device
-) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
-    """One micro-batch's inputs as the stage's graph sees them (full hidden, global shapes)."""
+    spec: StageSpec, d_model: int, mb: int, seq: int, dtype: torch.dtype, device: torch.device,
+    masks: bool = False,
+) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:  # fmt: skip
+    """One micro-batch's inputs as the stage's graph sees them (full hidden, global shapes;
+    ``masks``: with an ``attention_mask`` and ``position_ids``, as every stage takes them)."""
     ids = torch.zeros(mb, seq, dtype=torch.long, device=device)
     if spec.first:
         args: tuple[torch.Tensor, ...] = (ids,)
     else:
         hidden = torch.randn(mb, seq, d_model, dtype=dtype, device=device)
         args = (hidden.requires_grad_(),)  # as received: the schedule makes it require grad
-    return args, ({"labels": ids} if spec.last else {})
+    kwargs = {"labels": ids} if spec.last else {}
+    if masks:
+        kwargs["attention_mask"] = torch.ones_like(ids)
+        kwargs["position_ids"] = torch.arange(seq, device=device).expand(mb, seq).contiguous()
+    return args, kwargs
 
 
-def _make_schedule(stage: Any, n_microbatches: int, schedule: str) -> Any:
+def _make_schedule(stage: Any, n_microbatches: int, schedule: str, loss_fn: Any) -> Any:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
@@ -244,7 +281,7 @@ def _make_schedule(stage: Any, n_microbatches: int, schedule: str) -> Any:
             f"1F1B needs n_microbatches >= pp ({n_microbatches} < {stage.num_stages}); "
             "use more micro-batches or schedule='gpipe'"
         )
-    return kinds[schedule](stage, n_microbatches, loss_fn=_loss_is_output)
+    return kinds[schedule](stage, n_microbatches, loss_fn=loss_fn)
 
 
 def build_pipeline(
@@ -258,11 +295,14 @@ def build_pipeline(
     fsdp: bool = True,
     options: dict[str, Any] | None = None,
     compile: bool = False,
+    masks: bool = False,
 ) -> Pipeline:
-    """This rank's stage of ``model`` (a ``ColaLlama`` or a transformers
-    ``LlamaForCausalLM``, see ``pipeline_hf``; identical on every rank).
+    """This rank's stage of ``model`` (a ``ColaLlama`` or a transformers causal LM of a
+    family ``pipeline_hf`` splits; identical on every rank).
 
     ``batch`` is the per-dp-rank batch of one step, cut into ``n_microbatches``;
+    ``masks``: every step passes ``attention_mask`` and ``position_ids`` (a transformers
+    model on padded rows, see :meth:`Pipeline.step`);
     ``compile``: the stage's forward through ``torch.compile(backend="boost")`` (the
     boundary conversions and the schedule stay eager around it).
     """
@@ -287,9 +327,11 @@ def build_pipeline(
     spec = specs[mesh["pp"].get_local_rank()]
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    stage_mod = pipeline_hf.HFLlamaStage(model, spec) if hf else CoLAStage(model, spec)
+    stage_mod = pipeline_hf.hf_stage(model, spec) if hf else CoLAStage(model, spec)
     mb = batch // n_microbatches
-    args, kwargs = _stage_examples(spec, d_model, mb, seq, dtype, device)
+    if masks and not hf:
+        raise PipelineError("attention masks and position ids are for transformers models")
+    args, kwargs = _stage_examples(spec, d_model, mb, seq, dtype, device, masks)
     if tp > 1:
         boost_compiler.parallelize(stage_mod, mesh["tp"], args, kwargs, options)
     if compile:
@@ -313,8 +355,9 @@ def build_pipeline(
         module, spec.index, pp, device, input_args=inputs, output_args=output,
         group=mesh["pp"].get_group(),
     )  # fmt: skip
-    sched = _make_schedule(stage, n_microbatches, schedule)
-    return Pipeline(mesh, spec, module, stage, sched, n_microbatches, shard, dtype)
+    loss_fn = TokenWeightedLoss(n_microbatches, dp)
+    sched = _make_schedule(stage, n_microbatches, schedule, loss_fn)
+    return Pipeline(mesh, spec, module, stage, sched, n_microbatches, shard, dtype, loss_fn)
 
 
 @dataclass

@@ -1,27 +1,30 @@
-"""Pipeline stages of a Hugging Face ``LlamaForCausalLM`` (``boost train --pp N --hf-config``).
+"""Pipeline stages of a Hugging Face causal LM (``boost train --pp N --hf-config``).
 
-The counterpart of ``pipeline.CoLAStage`` for transformers' Llama (dense, or made
-low-rank by ``to_low_rank``: the conversion replaces projections inside the decoder
-layers and leaves the layer structure this module relies on alone). Stage 0 runs
-``model.embed_tokens`` and its decoder layers, a middle stage its layers, the last its
-layers, ``model.norm``, ``lm_head`` and the model's own loss function (HF's shifted
-cross-entropy, ``ignore_index=-100``). Only the hidden state crosses a boundary, as for
-the CoLA stages, so each stage recomputes what ``LlamaModel.forward`` hands its layers
-besides it: position ids ``arange(seq)``, the rotary tables from (a copy of)
-``model.model.rotary_emb``, and the causal mask from transformers' ``create_causal_mask``
-with the same arguments ``LlamaModel.forward`` passes for a batch without padding and
-cache (under SDPA that is ``None`` and attention runs ``is_causal``). The layers are
-called with the keywords ``LlamaModel.forward`` uses, so a stage computes what the
-whole model computes on the same rows.
-
-Parameter names are the whole model's (``model.layers.3.self_attn...``,
-``lm_head.weight``), so checkpoints, ``boost export --format hf`` and comparisons share
-one vocabulary.
+A stage is the model itself with the other stages' parts removed: a shallow copy of the
+``*ForCausalLM`` (same class, attributes, loss function, logit scaling) whose base
+model keeps only this stage's decoder layers, the embedding at stage 0 only, the final
+norm and the head at the last stage only, and per-layer config lists (``layer_types``)
+cut to its layers. The parts are found from the model's
+structure, not a per-family adapter: the decoder list is the base model's
+``ModuleList`` of ``config.num_hidden_layers`` layers, the embedding and head are
+``get_input_embeddings()`` / ``get_output_embeddings()``, and the final norm is the one
+other child of the base model that holds parameters. Every stage runs the family's own
+forward: later stages hand the received hidden state in as ``inputs_embeds``, so the
+masks (causal, sliding-window per layer type, padding), position ids and rotary tables
+are the family's, from the micro-batch's ``attention_mask``/``position_ids``; the last
+stage's forward applies the family's head scaling and loss. Invariant: chained, the
+stages compute the whole model. That holds where the base model does nothing to
+``inputs_embeds`` but hand it to the first layer; families that scale or add to it there
+(Granite's multiplier, GPT-2's position embeddings) would apply it at every stage, so only families checked by ``tests/test_pipeline.py``'s chain
+test are accepted (:data:`CHECKED`), the others refused by name. Parameter names are
+the whole model's (``model.layers.3.self_attn...``, ``lm_head.weight``).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,12 +33,18 @@ from torch import nn
 from ..errors import PipelineError
 from .stages import StageSpec
 
-__all__ = ["HFLlamaStage", "hf_dims", "is_hf_causal_lm"]
+__all__ = ["CHECKED", "hf_dims", "hf_stage", "is_hf_causal_lm"]
 
-# Families whose ``*Model.forward`` is Llama's (embed, one causal mask for every layer,
-# shared rotary tables, final norm): what the stage below reimplements. Families with
-# sliding-window or per-layer masks (Mistral, Qwen2, Gemma) would need their own.
-SUPPORTED = ("llama",)
+# The families whose stages chain to the whole model, checked by tests/test_pipeline.py's
+# chain test on every zoo family (padded rows, mixed layer types); it also checks that
+# each refused family's stages do not chain, so neither list outlives its reason.
+CHECKED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3",
+           "olmo2", "cohere", "stablelm", "starcoder2", "gpt_neox", "mixtral", "qwen3_moe",
+           "deepseek_v3")  # fmt: skip
+REFUSED = {
+    "granite": "its base model multiplies inputs_embeds by embedding_multiplier",
+    "gpt2": "its base model adds the position embeddings to inputs_embeds",
+}
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -43,84 +52,149 @@ def is_hf_causal_lm(model: nn.Module) -> bool:
     return hasattr(getattr(model, "config", None), "model_type")
 
 
-def _check(model: nn.Module) -> None:
-    kind = getattr(getattr(model, "config", None), "model_type", None)
-    if kind not in SUPPORTED:
+@dataclass(frozen=True)
+class HFParts:
+    """Where a causal LM keeps what a stage splits, found from its structure."""
+
+    base: str  # the base model's attribute on the causal LM (``base_model_prefix``)
+    layers: str  # the decoder list on the base model
+    embed: str  # the token embedding on the base model
+    norm: str  # the final norm on the base model
+    head: str  # the LM head on the causal LM
+    n_layers: int
+    d_model: int
+    tied: bool  # the head shares the embedding's weight
+
+
+def _child_named(parent: nn.Module, module: nn.Module | None, what: str) -> str:
+    for name, child in parent.named_children():
+        if child is module:
+            return name
+    raise PipelineError(f"{type(parent).__name__}: its {what} is not one of its own children")
+
+
+def hf_parts(model: nn.Module, checked: bool = True) -> HFParts:
+    """The parts of ``model`` a stage keeps or drops; a family outside :data:`CHECKED`
+    (unless ``checked=False``: the chain test's probe of every family), or a structure
+    with no single decoder list / final norm, raises :class:`PipelineError`."""
+    whole: Any = model  # transformers' modules: their attributes are not typed here
+    kind = whole.config.model_type
+    if checked and kind not in CHECKED:
+        why = REFUSED.get(kind, "its stages are not checked to chain to the whole model")
         raise PipelineError(
-            f"--pp > 1 splits transformers models of type {list(SUPPORTED)} by decoder layer; "
-            f"{type(model).__name__} ({kind!r}) has another layer loop: train it at --pp 1"
+            f"--pp > 1 cannot split {type(model).__name__} ({kind!r}): {why}. Families split "
+            f"by decoder layer: {', '.join(CHECKED)}; train this one at --pp 1"
         )
-    body = getattr(model, "model", None)
-    for part in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not hasattr(body, part):
-            raise PipelineError(f"{type(model).__name__}.model has no {part}: not Llama's layout")
+    base_name = whole.base_model_prefix
+    body = getattr(whole, base_name, None)
+    n = int(whole.config.num_hidden_layers)
+    lists = [k for k, m in body.named_children() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if len(lists) != 1:
+        raise PipelineError(
+            f"{type(body).__name__} has {len(lists)} module lists of num_hidden_layers={n} "
+            f"layers ({lists}): the decoder list must be one"
+        )
+    embed = _child_named(body, whole.get_input_embeddings(), "input embedding")
+    head_module = whole.get_output_embeddings()
+    head = _child_named(whole, head_module, "output embedding")
+    others = [k for k, m in body.named_children() if k not in (lists[0], embed)
+              and any(True for _ in m.parameters())]  # fmt: skip
+    if len(others) != 1:
+        raise PipelineError(
+            f"{type(body).__name__}: besides the embedding and the layers, {others} hold "
+            "parameters; a stage split needs exactly one (the final norm)"
+        )
+    # The config's flag and the modules can disagree (a tie made by hand); either spans
+    # the first and last stage.
+    tied = bool(whole.config.tie_word_embeddings) or (
+        head_module.weight is whole.get_input_embeddings().weight
+    )
+    d = int(whole.config.hidden_size)
+    return HFParts(base_name, lists[0], embed, others[0], head, n, d, tied)
 
 
 def hf_dims(model: nn.Module) -> tuple[int, int, bool]:
     """(decoder layers, hidden size, whether ``lm_head`` shares the embedding's weight)."""
-    _check(model)
-    whole: Any = model  # transformers' modules: their attributes are not typed here
-    config = whole.config
-    head = getattr(whole, "lm_head", None)
-    # The config's flag and the modules can disagree (a tie made by hand); either spans
-    # the first and last stage.
-    tied = bool(config.tie_word_embeddings) or (
-        head is not None and head.weight is whole.model.embed_tokens.weight
-    )
-    return int(config.num_hidden_layers), int(config.hidden_size), tied
+    parts = hf_parts(model)
+    return parts.n_layers, parts.d_model, parts.tied
 
 
-class _Body(nn.Module):
-    """This stage's share of ``LlamaModel``, under its attribute names (``layers`` keeps the
-    global indices as keys, so ``model.layers.3`` names the same parameters as in HF)."""
+class _StageLayers(nn.ModuleList):
+    """This stage's decoder layers under their global indices (``layers.3``), in order:
+    the family's ``for layer in self.layers[:n]`` runs them as the whole model's loop."""
 
-    def __init__(self, body: Any, spec: StageSpec) -> None:
+    def __init__(self, layers: Any = None) -> None:
         super().__init__()
-        if spec.first:
-            self.embed_tokens = body.embed_tokens
-        self.layers = nn.ModuleDict({str(i): body.layers[i] for i in spec.layers})
-        if spec.last:
-            self.norm = body.norm
-        # Every stage needs the tables; its buffer is non-persistent, so no state key moves.
-        self.rotary_emb = copy.deepcopy(body.rotary_emb)
+        items = layers.items() if isinstance(layers, dict) else enumerate(layers or ())
+        for key, layer in items:
+            self.add_module(str(key), layer)
+
+    def __getitem__(self, idx: Any) -> Any:
+        layers = list(self._modules.values())
+        return nn.ModuleList(layers[idx]) if isinstance(idx, slice) else layers[idx]
 
 
-class HFLlamaStage(nn.Module):
-    """A slice of a ``LlamaForCausalLM``; ``forward(x, labels=None)`` as ``CoLAStage``'s:
-    token ids in at stage 0, else the hidden ``[b, s, d]``; the hidden out, except at the
-    last stage: the loss with ``labels``, the logits without."""
+def _shallow(module: nn.Module) -> Any:
+    """A copy of ``module`` sharing its parameters, with its own table of children."""
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    return out
 
-    def __init__(self, model: Any, spec: StageSpec) -> None:
-        super().__init__()
-        _check(model)
-        self.spec = spec
-        self.config = model.config  # the whole model's: MFU and train_state.json read it
-        self.model = _Body(model.model, spec)
-        if spec.last:
-            self.lm_head = model.lm_head
-            # A plain function (transformers' LOSS_MAPPING entry), not a module.
-            self.loss_function = model.loss_function
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+def hf_stage(model: nn.Module, spec: StageSpec, checked: bool = True) -> nn.Module:
+    """``model`` restricted to ``spec``'s share: an instance of the family's class whose
+    ``forward(x, labels=None, attention_mask=None, position_ids=None)`` takes the token
+    ids at stage 0, else the hidden ``[b, s, d]``, and returns the hidden, except at the
+    last stage: the family's loss with ``labels``, its logits without."""
+    parts = hf_parts(model, checked)
+    whole: Any = model
+    body = _shallow(getattr(whole, parts.base))
+    body.config = _stage_config(body.config, spec)
+    old = body._modules[parts.layers]
+    body._modules[parts.layers] = _StageLayers({i: old[i] for i in spec.layers})
+    if not spec.first:
+        body._modules[parts.embed] = None
+    if not spec.last:
+        body._modules[parts.norm] = nn.Identity()
+    stage = _shallow(whole)
+    stage._modules[parts.base] = body
+    if not spec.last:
+        stage._modules[parts.head] = None
+    stage.__class__ = _stage_class(type(model))
+    stage.spec = spec
+    return stage
 
-        body = self.model
-        hidden = body.embed_tokens(x) if self.spec.first else x
-        # What LlamaModel.forward derives when given neither position ids nor a mask.
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-            position_ids=position_ids,
-        )  # fmt: skip
-        position_embeddings = body.rotary_emb(hidden, position_ids=position_ids)
-        for layer in body.layers.values():
-            hidden = layer(
-                hidden, attention_mask=mask, position_embeddings=position_embeddings,
-                position_ids=position_ids, cache=None, use_cache=False,
-            )  # fmt: skip
-        if not self.spec.last:
-            return hidden
-        logits = self.lm_head(body.norm(hidden))
-        if labels is None:
-            return logits
-        return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+
+def _stage_config(config: Any, spec: StageSpec) -> Any:
+    """The base model's config as its loop must see it in this stage: families index
+    per-layer settings by the loop's position (``config.layer_types[i]`` picks a layer's
+    mask and rotary tables in Gemma 2/3 and Qwen2), so the stage's list is its layers'."""
+    out = copy.copy(config)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        out.layer_types = [types[i] for i in spec.layers]
+    return out
+
+
+@functools.cache
+def _stage_class(family: type) -> type:
+    """The family's class with the stage's forward (one per family class)."""
+
+    def forward(
+        self: Any,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        spec = self.spec
+        feed = {"input_ids": x} if spec.first else {"inputs_embeds": x}
+        common = {"attention_mask": attention_mask, "position_ids": position_ids,
+                  "use_cache": False}  # fmt: skip
+        if not spec.last:
+            return getattr(self, self.base_model_prefix)(**feed, **common).last_hidden_state
+        out = family.forward(self, **feed, **common, labels=labels)
+        return out.logits if labels is None else out.loss
+
+    return type(family.__name__ + "Stage", (family,), {"forward": forward,
+                                                      "__module__": __name__})  # fmt: skip
