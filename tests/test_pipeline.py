@@ -251,15 +251,29 @@ def test_pp2_padded_qwen3_is_exact(two: dict) -> None:
     _check_exact(res, 2, 1, 1, 2, model="zoo")
 
 
-@pytest.mark.skipif(not FULL, reason="compiles 4 ranks twice (minutes on 2 cores)")
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.skipif(not FULL, reason="compiles 4 ranks (minutes on 2 cores)")
+@pytest.mark.parametrize("family", ["qwen3"])
 def test_pp2_tp2_compiled_hf_families_are_exact(family: str) -> None:
-    """pp=2 x tp=2, compiled stages, padded batches: Qwen3 and Gemma 3 after 3 steps."""
+    """pp=2 x tp=2, compiled stages, padded batches: Qwen3 after 3 steps (Gemma 3 is
+    refused at tp > 1 with pp: see the next test)."""
     need("transformers")
     kw = {"model": f"zoo:{family}", "padded": True, "compile": True, "steps": 3}
     res = result_of(run_world(4, [(family, FN, (2, 1, 2, 2), kw)]), family)
     _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3)
     assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
+
+
+def test_pp_tp_refuses_families_not_measured_exact() -> None:
+    """Gemma 3's stages at tp=2 measured off by 3e-4 (issue 29): refused by name before
+    anything is built, not run wrong."""
+    need("transformers")
+    from boost_compiler.train.pipeline_hf import check_tp
+    from tests import zoo_checks
+
+    model = zoo_checks.build("gemma3", tie_word_embeddings=False)
+    check_tp(model, 1)
+    with pytest.raises(PipelineError, match="'gemma3_text'.*not measured exact"):
+        check_tp(model, 2)
 
 
 @pytest.mark.skipif(not FULL, reason=FULL_REASON)

@@ -318,6 +318,7 @@ def build_pipeline(
 
     hf = pipeline_hf.is_hf_causal_lm(model)
     if hf:
+        pipeline_hf.check_tp(model, tp)
         n_layers, d_model, tied = pipeline_hf.hf_dims(model)
     else:
         n_layers, d_model, tied = model.cfg.n_layers, model.cfg.d_model, model.cfg.tie_embeddings

@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import PipelineError
 from .stages import StageSpec
 
-__all__ = ["CHECKED", "hf_dims", "hf_stage", "is_hf_causal_lm"]
+__all__ = ["CHECKED", "TP_CHECKED", "check_tp", "hf_dims", "hf_stage", "is_hf_causal_lm"]
 
 # The families whose stages chain to the whole model, checked by tests/test_pipeline.py's
 # chain test on every zoo family (padded rows, mixed layer types); it also checks that
@@ -41,6 +41,10 @@ __all__ = ["CHECKED", "hf_dims", "hf_stage", "is_hf_causal_lm"]
 CHECKED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3",
            "olmo2", "cohere", "stablelm", "starcoder2", "gpt_neox", "mixtral", "qwen3_moe",
            "deepseek_v3")  # fmt: skip
+# Of those, the families whose stages are also measured exact under BTP at tp > 1
+# (tests/test_pipeline.py, pp=2 x tp=2). Gemma 3's stage 1 measured off by 3e-4 in its
+# gradients at tp=2 (exact at tp=1 and whole at tp=2): not known why yet, so refused.
+TP_CHECKED = ("llama", "qwen3")
 REFUSED = {
     "granite": "its base model multiplies inputs_embeds by embedding_multiplier",
     "gpt2": "its base model adds the position embeddings to inputs_embeds",
@@ -111,6 +115,18 @@ def hf_parts(model: nn.Module, checked: bool = True) -> HFParts:
     )
     d = int(whole.config.hidden_size)
     return HFParts(base_name, lists[0], embed, others[0], head, n, d, tied)
+
+
+def check_tp(model: nn.Module, tp: int) -> None:
+    """Refuse, by name, stages of a family not measured exact at ``tp > 1``."""
+    whole: Any = model  # a transformers model: its config is not typed here
+    kind = whole.config.model_type
+    if tp > 1 and kind not in TP_CHECKED:
+        raise PipelineError(
+            f"--pp > 1 with --tp {tp}: the stages of {type(model).__name__} ({kind!r}) are "
+            f"not measured exact under tensor parallelism yet (measured: "
+            f"{', '.join(TP_CHECKED)}); run it at --tp 1 with --pp, or at --pp 1 with --tp"
+        )
 
 
 def hf_dims(model: nn.Module) -> tuple[int, int, bool]:
