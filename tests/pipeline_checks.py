@@ -90,7 +90,7 @@ def pipelined_step(
     dp_rank = mesh3["dp"].get_local_rank()
     pipe = build_pipeline(whole, mesh3, batch // dp, seq, m, schedule=schedule, compile=compile,
                           masks=padded)  # fmt: skip
-    compiles_before = _boost_compiles()
+    compiles_before = _inductor_compiles()
     optim, ref_optim = _optimizer(opt, pipe.module.parameters()), _optimizer(opt, ref.parameters())
     meter = P2PMeter()
     loss_err = grad_err = 0.0
@@ -139,7 +139,7 @@ def pipelined_step(
         "boundary_bytes": pipe.boundary_bytes,
         "sends": [[list(s), b, peer] for s, b, peer in meter.sends],
         "global_rank": dist.get_rank(),
-        "compiled_graphs": _boost_compiles() - compiles_before,
+        "compiled_graphs": _inductor_compiles() - compiles_before,
         "tp_rank": mesh3["tp"].get_local_rank(),
         "dp_rank": dp_rank,
     }
@@ -169,7 +169,7 @@ def trainer(
         return specs
 
     pipeline_mod.split_layers = recording_split
-    compiles_before = _boost_compiles()
+    compiles_before = _inductor_compiles()
     try:
         cfg = TrainConfig(**TRAIN, pp=pp, microbatches=m, tp=world // pp, compile=compile,
                           progress=False, hf_config=hf_config, pp_layers=pp_layers,
@@ -179,10 +179,10 @@ def trainer(
         pipeline_mod.split_layers = split
     return {"losses": res.losses, "grad_norms": res.grad_norms, "stages": stages,
             "checkpoint": str(res.checkpoint) if res.checkpoint else None,
-            "compiled_graphs": _boost_compiles() - compiles_before}  # fmt: skip
+            "compiled_graphs": _inductor_compiles() - compiles_before}  # fmt: skip
 
 
-def _boost_compiles() -> int:
+def _inductor_compiles() -> int:
     """Graphs Inductor compiled or loaded from its caches in this process so far (torch's
     counters, not the config). The eager route of a parallelized stage goes through dynamo
     too, with no Inductor: it counts 0."""

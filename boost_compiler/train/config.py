@@ -288,7 +288,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=s,
                    help="pipeline stages, 1F1B, each stage compiled unless --no-compile; "
                    "checkpoints load at any (pp, dp, tp) (1)")  # fmt: skip
-    p.add_argument("--microbatches", type=int, default=s, help="micro-batches per dp rank and step, with --pp (the smallest divisor "
+    p.add_argument("--microbatches", type=int, default=s,
+                   help="micro-batches per dp rank and step, with --pp (the smallest divisor "
                    "of the per-rank batch >= 2 x pp, else >= pp)")  # fmt: skip
     p.add_argument("--pp-layers", type=_layer_counts, default=s, metavar="N,N,...",
                    help="decoder layers of each pipeline stage, e.g. 3,5 (default: an even "

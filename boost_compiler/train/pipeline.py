@@ -338,7 +338,8 @@ def build_pipeline(
     if compile:
         # As the loop does under FSDP2: the module (its hooks, the boundary) stays eager,
         # the forward it calls is compiled, with this stage's BTP plan at tp > 1.
-        stage_mod.forward = torch.compile(stage_mod.forward, backend="boost")  # type: ignore[method-assign]
+        compiled = torch.compile(stage_mod.forward, backend="boost")
+        stage_mod.forward = compiled  # type: ignore[method-assign]
     module: nn.Module = BoundaryStage(stage_mod, mesh["tp"].get_group() if tp > 1 else None)
     if dp > 1 and fsdp:
         from torch.distributed.fsdp import fully_shard

@@ -15,8 +15,9 @@ are the family's, from the micro-batch's ``attention_mask``/``position_ids``; th
 stage's forward applies the family's head scaling and loss. Invariant: chained, the
 stages compute the whole model. That holds where the base model does nothing to
 ``inputs_embeds`` but hand it to the first layer; families that scale or add to it there
-(Granite's multiplier, GPT-2's position embeddings) would apply it at every stage, so only families checked by ``tests/test_pipeline.py``'s chain
-test are accepted (:data:`CHECKED`), the others refused by name. Parameter names are
+(Granite's multiplier, GPT-2's position embeddings) would apply it at every stage, so
+only families checked by ``tests/test_pipeline.py``'s chain test are accepted
+(:data:`CHECKED`), the others refused by name. Parameter names are
 the whole model's (``model.layers.3.self_attn...``, ``lm_head.weight``).
 """
 
