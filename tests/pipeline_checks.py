@@ -72,10 +72,10 @@ def _padded(ids: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
 def pipelined_step(
     pp: int, dp: int, tp: int, m: int, *, opt: str = "sgd", schedule: str = "1f1b",
     steps: int = 2, batch: int = 4, seq: int = 16, model: str = "cola", compile: bool = False,
-    padded: bool = False, world: int, mesh: Any,
+    padded: bool = False, virtual: int | None = None, world: int, mesh: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """``steps`` optimizer steps pipelined at (pp, dp, tp) with ``m`` micro-batches vs one device
-    (``compile``: each stage's forward through the boost backend; ``padded``: left-padded
+    (``schedule``'s stages: 2 layers each, or 1 each with ``virtual`` stages per rank; ``compile``: each stage's forward through the boost backend; ``padded``: left-padded
     rows with attention masks and position ids, a transformers ``model`` only).
 
     ``batch`` is the global batch (split over dp, then into ``m`` micro-batches);
@@ -85,13 +85,14 @@ def pipelined_step(
     """
     del mesh  # the harness's 1-D world mesh; this check builds its own 3-D one
     kind = model
-    whole, ref, start, vocab = _models(kind, 2 * pp)
+    stages = pp * (virtual or (2 if schedule in ("interleaved-1f1b", "zero-bubble") else 1))
+    whole, ref, start, vocab = _models(kind, 2 * stages if stages == pp else stages)
     mesh3 = init_pipeline_mesh(pp, dp, tp)
     dp_rank = mesh3["dp"].get_local_rank()
     pipe = build_pipeline(whole, mesh3, batch // dp, seq, m, schedule=schedule, compile=compile,
-                          masks=padded)  # fmt: skip
+                          masks=padded, virtual_stages=virtual)  # fmt: skip
     compiles_before = _inductor_compiles()
-    optim, ref_optim = _optimizer(opt, pipe.module.parameters()), _optimizer(opt, ref.parameters())
+    optim, ref_optim = _optimizer(opt, pipe.parameters()), _optimizer(opt, ref.parameters())
     meter = P2PMeter()
     loss_err = grad_err = 0.0
     worst_grad = ""
@@ -125,7 +126,8 @@ def pipelined_step(
     moved = max(_rel(t, start_sd[n]) for n, t in full.items())
     return {
         "stage": pipe.spec.index,
-        "layers": list(pipe.spec.layers),
+        "stages": [[sp.index, sp.first, sp.last] for sp in pipe.specs],
+        "layers": [i for sp in pipe.specs for i in sp.layers],
         "params": sorted(full),
         "grad_params": sorted(grads),
         "loss": loss_err,
@@ -150,12 +152,16 @@ TRAIN = {"steps": 3, "batch": 4, "seq": 32, "warmup": 1, "clip": 0.5, "log_every
 
 def trainer(
     pp: int, m: int | None, *, hf_config: str | None = None, checkpoint_dir: str | None = None,
-    pp_layers: tuple[int, ...] | None = None, compile: bool = False, world: int, mesh: Any,
+    pp_layers: tuple[int, ...] | None = None, compile: bool = False,
+    eval_data: str | None = None, schedule: str = "1f1b", n_layers: int | None = None,
+    world: int, mesh: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """``train`` with ``pp``/``microbatches`` (the ``--pp N --microbatches M`` path, ``m``
     None: the default count; ``compile``: compiled stages;
     ``hf_config``: ``--hf-config DIR``, a transformers Llama; ``checkpoint_dir``: saved at
-    the end, the checkpoint's path returned; ``pp_layers``: ``--pp-layers``). Also returns
+    the end, the checkpoint's path returned; ``pp_layers``: ``--pp-layers``; ``eval_data``:
+    ``--eval-data FILE --eval-every 2``, validation through the schedule; ``schedule``:
+    ``--schedule``; ``n_layers``: the preset's layer count). Also returns
     the stages' layers as the trainer split them."""
     from boost_compiler.train import TrainConfig, train
     from boost_compiler.train import pipeline as pipeline_mod
@@ -173,13 +179,25 @@ def trainer(
     try:
         cfg = TrainConfig(**TRAIN, pp=pp, microbatches=m, tp=world // pp, compile=compile,
                           progress=False, hf_config=hf_config, pp_layers=pp_layers,
-                          checkpoint_dir=checkpoint_dir)  # fmt: skip
+                          checkpoint_dir=checkpoint_dir, schedule=schedule,
+                          model_overrides=_layers(n_layers), **_eval_flags(eval_data))  # fmt: skip
         res = train(cfg)
     finally:
         pipeline_mod.split_layers = split
     return {"losses": res.losses, "grad_norms": res.grad_norms, "stages": stages,
+            "eval_losses": res.eval_losses,
             "checkpoint": str(res.checkpoint) if res.checkpoint else None,
             "compiled_graphs": _inductor_compiles() - compiles_before}  # fmt: skip
+
+
+def _layers(n_layers: int | None) -> dict[str, Any]:
+    """The preset's ``[model]`` overrides: its layer count, when given."""
+    return {"n_layers": n_layers} if n_layers else {}
+
+
+def _eval_flags(eval_data: str | None) -> dict[str, Any]:
+    """``--eval-data FILE --eval-every 2 --eval-batches 2`` (nothing without a file)."""
+    return {"eval_data": [eval_data], "eval_every": 2, "eval_batches": 2} if eval_data else {}
 
 
 def _inductor_compiles() -> int:

@@ -45,8 +45,11 @@ def four() -> dict:
     ]
     if HAS_HF:
         checks.append(("hf/pp2dp1tp2", FN, (2, 1, 2, 2), {"model": "hf"}))
+    checks.append(("pp2dp1tp2/zero-bubble", FN, (2, 1, 2, 4), {"schedule": "zero-bubble"}))
     if FULL:
         checks.append(("pp2dp2tp1", FN, (2, 2, 1, 2), {"batch": 8}))
+        checks.append(("pp2dp1tp2/interleaved-compiled", FN, (2, 1, 2, 4),
+                       {"schedule": "interleaved-1f1b", "compile": True}))  # fmt: skip
     return run_world(4, checks)
 
 
@@ -75,13 +78,28 @@ def hf_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def two(llama_config: str | None, hf_ckpt: str) -> dict:
+def held_out(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A held-out text file for ``--eval-data`` (validation through the schedule)."""
+    path = tmp_path_factory.mktemp("held-out") / "held.txt"
+    path.write_text("".join(f"held-out line {i}: the quick brown fox jumps over {i * 7}\n"
+                            for i in range(40)))  # fmt: skip
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def two(llama_config: str | None, hf_ckpt: str, held_out: str) -> dict:
     trainer = "tests.pipeline_checks:trainer"
     checks: list[tuple] = [("pp2dp1tp1", FN, (2, 1, 1, 2)),
                            ("pp2dp1tp1/gpipe-adamw", FN, (2, 1, 1, 2),
                             {"schedule": "gpipe", "opt": "adamw"}),
+                           ("pp2dp1tp1/interleaved-1f1b", FN, (2, 1, 1, 4),
+                            {"schedule": "interleaved-1f1b"}),
+                           ("pp2dp1tp1/zero-bubble", FN, (2, 1, 1, 4), {"schedule": "zero-bubble"}),
                            ("train/pp2", trainer, (2, None), {"compile": True}),
-                           ("train/pp2-layers", trainer, (2, 2), {"pp_layers": (2, 0)})]  # fmt: skip
+                           ("train/pp2-layers", trainer, (2, 2),
+                            {"pp_layers": (2, 0), "eval_data": held_out}),
+                           ("train/pp2-zero-bubble", trainer, (2, None),
+                            {"schedule": "zero-bubble", "n_layers": 4})]  # fmt: skip
     if HAS_HF:
         checks += [("hf/pp2dp1tp1", FN, (2, 1, 1, 2), {"model": "hf"}),
                    ("zoo/qwen3-padded", FN, (2, 1, 1, 2), {"model": "zoo:qwen3", "padded": True}),
@@ -115,8 +133,10 @@ def _check_exact(
 ) -> None:
     rks = res["ranks"]
     assert len(rks) == pp * dp * tp
-    stages = {r["stage"] for r in rks}
-    assert stages == set(range(pp))
+    held = {s for r in rks for s, _, _ in r["stages"]}
+    v = len(held) // pp  # stages per rank, placed round-robin
+    assert held == set(range(pp * v))
+    assert all([s for s, _, _ in r["stages"]] == list(range(r["stage"], pp * v, pp)) for r in rks)
     for r in rks:
         assert r["loss"] <= RTOL, r
         assert r["grad"] <= RTOL, (r["worst_grad"], r)
@@ -133,7 +153,9 @@ def _check_exact(
     for r in rks:
         assert r["boundary_shape"] == shard
         assert r["boundary_bytes"] == shard[0] * shard[1] * shard[2] * 4
-        assert len(r["sends"]) == steps * m  # m activations (or m gradients) per step
+        # m activations per boundary ahead of each stage, m gradients per one behind it
+        boundaries = sum((not first) + (not last) for _, first, last in r["stages"])
+        assert len(r["sends"]) == steps * m * boundaries, r["stages"]
         peer_stage = 1 if r["stage"] == 0 else 0
         (peer,) = [q for q in rks if q["stage"] == peer_stage and q["tp_rank"] == r["tp_rank"]
                    and q["dp_rank"] == r["dp_rank"]]  # fmt: skip
@@ -172,6 +194,57 @@ def test_pp2_gpipe_adamw_is_exact(two: dict) -> None:
     _check_exact(result_of(two, "pp2dp1tp1/gpipe-adamw"), 2, 1, 1, 2)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
+def test_pp2_virtual_stage_schedules_are_exact(two: dict, schedule: str) -> None:
+    """torch's interleaved 1F1B and zero-bubble (ZB1P) schedules, 2 stages of one layer per
+    rank placed round-robin (rank 0: stages 0 and 2): exact against one device, and each
+    rank sends its shard across each of its three stage boundaries per micro-batch."""
+    res = result_of(two, f"pp2dp1tp1/{schedule}")
+    _check_exact(res, 2, 1, 1, 4)
+    assert [r["stages"] for r in res["ranks"]] == [[[0, True, False], [2, False, False]],
+                                                   [[1, False, False], [3, False, True]]]  # fmt: skip
+
+
+def test_pp2_tp2_zero_bubble_is_exact(four: dict) -> None:
+    """Zero bubble's split backward (input gradients first, weight gradients later) over
+    eager BTP stages at tp=2: the gradients still equal one device's."""
+    _check_exact(result_of(four, "pp2dp1tp2/zero-bubble"), 2, 1, 2, 4)
+
+
+@pytest.mark.skipif(not FULL, reason="compiles 4 stages on 4 ranks (minutes on 2 cores)")
+def test_pp2_tp2_compiled_interleaved_is_exact(four: dict) -> None:
+    res = result_of(four, "pp2dp1tp2/interleaved-compiled")
+    _check_exact(res, 2, 1, 2, 4)
+    assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
+
+
+def test_schedules_refuse_what_they_cannot_run() -> None:
+    """Refused by name before anything is built: an unknown schedule, virtual stages for a
+    one-stage schedule, zero bubble over compiled stages (its backward split needs the
+    stage's own autograd graph), a micro-batch count the interleaved rounds do not divide."""
+    from boost_compiler.train import TrainConfig
+    from boost_compiler.train.config import TrainConfigError
+    from boost_compiler.train.schedules import check_schedule
+
+    check_schedule("interleaved-1f1b", 2, 4, 2, compile=True)
+    check_schedule("zero-bubble", 2, 4, 2, compile=False)
+    with pytest.raises(PipelineError, match="unknown schedule 'zb'"):
+        check_schedule("zb", 2, 4, 2, compile=False)
+    with pytest.raises(PipelineError, match="1f1b runs one stage per rank, not 2"):
+        check_schedule("1f1b", 2, 4, 2, compile=False)
+    with pytest.raises(PipelineError, match="zero-bubble splits the backward of eager stages"):
+        check_schedule("zero-bubble", 2, 4, 2, compile=True)
+    with pytest.raises(PipelineError, match="5 micro-batches are not a multiple of its rounds"):
+        check_schedule("interleaved-1f1b", 2, 5, 2, compile=False)
+    with pytest.raises(TrainConfigError, match="--no-compile"):
+        TrainConfig(pp=2, schedule="zero-bubble").validate()
+    with pytest.raises(TrainConfigError, match="2 x 2 stage.s. per rank is 4"):
+        TrainConfig(pp=2, schedule="interleaved-1f1b", pp_layers=(1, 1)).validate()
+    # the default micro-batch count is one the interleaved rounds divide
+    cfg = TrainConfig(pp=2, batch=10, schedule="interleaved-1f1b", compile=False)
+    assert cfg.micro_batches(1) == 10  # not 5: 5 % (5 // 2) != 0
+
+
 def test_pp2_tp1_hf_llama_is_exact(two: dict) -> None:
     """A transformers Llama (to_low_rank cola) split by decoder layer: loss, gradients and
     parameters after 2 SGD steps (1F1B, 2 micro-batches) equal one device's."""
@@ -192,19 +265,35 @@ def test_pp2_tp2_hf_llama_is_exact_and_sends_shards(four: dict) -> None:
     _check_exact(res, 2, 1, 2, 2, model="hf")
 
 
-@pytest.mark.parametrize("key", ["train/pp2", "train/pp2-layers", "train/hf-pp2"])
-def test_trainer_pp_path_matches_one_process(two: dict, llama_config: str | None, key: str) -> None:
+@pytest.mark.parametrize(
+    "key", ["train/pp2", "train/pp2-layers", "train/pp2-zero-bubble", "train/hf-pp2"]
+)
+def test_trainer_pp_path_matches_one_process(
+    two: dict, llama_config: str | None, held_out: str, key: str
+) -> None:
     """``train(pp=2)``: losses and clipped-norm inputs equal tp=pp=1's eager ones (the
     packaged CoLA-LLaMA, and ``--hf-config`` with a transformers Llama). ``train/pp2`` is
-    ``--pp 2`` with no other flag: compiled stages, the default micro-batch count."""
+    ``--pp 2`` with no other flag: compiled stages, the default micro-batch count.
+    ``train/pp2-layers`` also validates on ``--eval-data`` through the schedule: every
+    rank's held-out loss equals one process's. ``train/pp2-zero-bubble``: ``--schedule
+    zero-bubble``, 4 stages of one layer (2 per rank), eager."""
     from boost_compiler.train import TrainConfig, train
-    from tests.pipeline_checks import TRAIN
+    from tests.pipeline_checks import TRAIN, _eval_flags, _layers
 
     _needs_hf(key)
     res = result_of(two, key)
     hf = {"hf_config": llama_config} if key == "train/hf-pp2" else {}
-    want = train(TrainConfig(**TRAIN, compile=False, progress=False, **hf))
+    evals = _eval_flags(held_out if key == "train/pp2-layers" else None)
+    layers = _layers(4 if key == "train/pp2-zero-bubble" else None)
+    want = train(TrainConfig(**TRAIN, compile=False, progress=False, model_overrides=layers,
+                             **hf, **evals))  # fmt: skip
+    if evals:  # at steps 1 (every 2) and 2 (the last)
+        assert sorted(want.eval_losses) == [1, 2], want.eval_losses
     for r in res["ranks"]:
+        got_evals = {int(k): v for k, v in r["eval_losses"].items()}
+        assert sorted(got_evals) == sorted(want.eval_losses), (got_evals, want.eval_losses)
+        for s, v in got_evals.items():
+            assert abs(v - want.eval_losses[s]) <= 1e-5 * abs(want.eval_losses[s]), got_evals
         got = {int(k): v for k, v in r["losses"].items()}
         norms = {int(k): v for k, v in r["grad_norms"].items()}
         assert sorted(got) == [0, 1, 2]

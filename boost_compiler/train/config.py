@@ -50,6 +50,8 @@ class TrainConfig:
     pp: int = 1  # pipeline stages (train/pipeline.py), 1F1B over `microbatches`
     microbatches: int | None = None  # per dp rank and step, when pp > 1; None: see micro_batches
     pp_layers: tuple[int, ...] | None = None  # decoder layers per stage; None: as even as can be
+    schedule: str = "1f1b"  # 1f1b, gpipe, interleaved-1f1b, zero-bubble (train/schedules.py)
+    virtual_stages: int | None = None  # stages per pp rank; None: 2 for the interleaved ones
     steps: int = 100
     stop_at: int | None = None  # leave after this many steps (schedule still over `steps`)
     batch: int = 8  # sequences per optimizer step, summed over the dp ranks
@@ -128,11 +130,7 @@ class TrainConfig:
                 )
             if self.pp > 1:
                 self.micro_batches(dp)  # raises when the batch cannot be cut as asked
-        if self.pp_layers is not None and len(self.pp_layers) != self.pp:
-            raise TrainConfigError(
-                f"--pp-layers {','.join(map(str, self.pp_layers))} names {len(self.pp_layers)} "
-                f"stage(s), --pp is {self.pp}: give one layer count per stage"
-            )
+        self._validate_schedule()
         if self.comm_timeout <= 0:
             raise TrainConfigError(f"comm_timeout must be positive, got {self.comm_timeout}")
         if (self.resume or self.resume_or_start or self.save_every) and not self.checkpoint_dir:
@@ -140,6 +138,36 @@ class TrainConfig:
                 "--resume, --resume-or-start and --save-every need --checkpoint-dir"
             )
         self._validate_data()
+
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each pp rank runs: ``--virtual-stages``, else 2 for the
+        interleaved schedules and 1 for the others."""
+        from .schedules import MULTI
+
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.schedule in MULTI else 1
+
+    def _validate_schedule(self) -> None:
+        from ..errors import PipelineError
+        from .schedules import SCHEDULES, check_schedule
+
+        if self.schedule not in SCHEDULES:
+            raise TrainConfigError(
+                f"--schedule {self.schedule!r}: choose one of {', '.join(SCHEDULES)}"
+            )
+        v = self.stages_per_rank()
+        if self.schedule != "1f1b" or v != 1:
+            try:  # what the schedule itself refuses, before anything is built
+                check_schedule(self.schedule, self.pp, self.pp, v, self.compile)
+            except PipelineError as err:
+                raise TrainConfigError(str(err)) from None
+        if self.pp_layers is not None and len(self.pp_layers) != self.pp * v:
+            raise TrainConfigError(
+                f"--pp-layers {','.join(map(str, self.pp_layers))} names {len(self.pp_layers)} "
+                f"stage(s), --pp {self.pp} x {v} stage(s) per rank is {self.pp * v}: give one "
+                "layer count per stage"
+            )
 
     def micro_batches(self, dp: int) -> int:
         """Micro-batches per dp rank and step: ``--microbatches``, or by default the
@@ -153,7 +181,11 @@ class TrainConfig:
                     f"({dp} x {self.microbatches})"
                 )
             return self.microbatches
+        from .schedules import MULTI
+
         fits = [m for m in range(self.pp, local + 1) if local % m == 0]
+        if self.schedule in MULTI:  # torch's interleaved schedules run m // pp whole rounds
+            fits = [m for m in fits if m % max(1, m // self.pp) == 0]
         if not fits:
             raise TrainConfigError(
                 f"--pp {self.pp} needs at least {self.pp} micro-batches per dp rank, but each "
@@ -224,9 +256,6 @@ class TrainConfig:
         if self.eval_every and not held_out:
             raise TrainConfigError("--eval-every needs a held-out split: --eval-fraction F or "
                                    "--eval-data PATH")  # fmt: skip
-        if held_out and self.pp > 1:
-            raise TrainConfigError("validation with --pp > 1 is not supported yet: drop "
-                                   "--eval-fraction / --eval-data")  # fmt: skip
         if self.txt_unit not in ("file", "paragraph", "line"):
             raise TrainConfigError(
                 f"txt_unit must be file, paragraph or line, not {self.txt_unit!r}"
@@ -286,7 +315,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=s, help="tensor-parallel degree (BTP) (1)")
     p.add_argument("--dp", type=int, default=s, help="data-parallel degree (world / tp / pp)")
     p.add_argument("--pp", type=int, default=s,
-                   help="pipeline stages, 1F1B, each stage compiled unless --no-compile; "
+                   help="pipeline stages (--schedule), each stage compiled unless --no-compile; "
                    "checkpoints load at any (pp, dp, tp) (1)")  # fmt: skip
     p.add_argument("--microbatches", type=int, default=s,
                    help="micro-batches per dp rank and step, with --pp (the smallest divisor "
@@ -294,6 +323,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp-layers", type=_layer_counts, default=s, metavar="N,N,...",
                    help="decoder layers of each pipeline stage, e.g. 3,5 (default: an even "
                    "split, extra layers to the middle stages)")  # fmt: skip
+    p.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"),
+                   default=s, help="pipeline schedule, torch.distributed.pipelining's; the "
+                   "last two run --virtual-stages stages per rank (1f1b)")  # fmt: skip
+    p.add_argument("--virtual-stages", type=int, default=s, metavar="V",
+                   help="stages per pp rank for interleaved-1f1b / zero-bubble (2)")  # fmt: skip
     p.add_argument("--steps", type=int, default=s, help="optimizer steps in total (100)")
     p.add_argument("--stop-at", type=int, default=s,
                    help="leave after this many steps, keeping the --steps schedule "

@@ -3,7 +3,7 @@
 The held-out set (:func:`.data.open_eval`) is a fixed ``[batches, batch, seq]`` tensor,
 split over dp like a training batch (each dp rank its disjoint rows, the tp ranks of a
 dp group the same rows). Every row has ``seq`` tokens, so the mean of the per-batch,
-per-rank mean losses is the mean over all held-out tokens, at any (dp, tp) layout.
+per-rank mean losses is the mean over all held-out tokens, at any (pp, dp, tp) layout.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def evaluate(run: Any, held_out: torch.Tensor) -> dict[str, float | int]:
     with torch.no_grad():
         for batch in held_out:
             ids = batch.chunk(run.dp, dim=0)[run.dp_rank].to(run.device)
-            loss = run.forward(ids, labels=ids)
+            # --pp > 1: the schedule's forward-only pass (the same micro-batches as a step)
+            loss = run.pipe.evaluate(ids) if run.pipe is not None else run.forward(ids, labels=ids)
             total += loss.detach().double().cpu()
     mean = total / held_out.shape[0]
     if run.dp > 1:

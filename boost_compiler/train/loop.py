@@ -78,6 +78,7 @@ class TrainResult:
 
     losses: dict[int, float] = field(default_factory=dict)
     grad_norms: dict[int, float] = field(default_factory=dict)
+    eval_losses: dict[int, float] = field(default_factory=dict)  # every rank's, by step
     start_step: int = 0
     final_step: int = 0
     model: nn.Module | None = None
@@ -280,7 +281,7 @@ def _train(
             if run.held_out is not None and (
                 (cfg.eval_every and done % cfg.eval_every == 0) or done == end
             ):
-                validate(run, step, metrics)
+                result.eval_losses[step] = float(validate(run, step, metrics)["eval_loss"])
             if cfg.checkpoint_dir and (
                 (cfg.save_every and done % cfg.save_every == 0) or done == end
             ):

@@ -6,7 +6,9 @@ embedding + its layers; the last: its layers + final norm + LM head + loss); eac
 stage module is parallelized on its own with
 ``parallelize(stage, mesh["tp"], <that stage's micro-batch inputs>)`` and, at
 ``dp > 1``, wrapped by ``fully_shard`` over ``mesh["dp"]``. Scheduling is torch's
-(``PipelineStage`` with ``Schedule1F1B``, ``ScheduleGPipe`` on request).
+(``PipelineStage`` with ``Schedule1F1B``; ``ScheduleGPipe``, ``ScheduleInterleaved1F1B`` and
+``ScheduleInterleavedZeroBubble`` on request, the last two with ``v`` virtual stages per
+rank placed round-robin).
 Invariant: what crosses a stage boundary is this tp rank's hidden shard
 ``[b/m, s, d/tp]``, sent to the same tp rank of the next stage, and the pipelined
 step computes the single-device step exactly. Why a shard needs two conversions:
@@ -21,10 +23,8 @@ remove those; ``parallelize`` has no such option yet.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,9 +37,12 @@ from torch import nn
 from ..errors import PipelineError
 from ..tp.collectives import gather_from_tp, group_name_of, scatter_to_tp
 from .comm import device_mesh
+from .p2p import P2PMeter
+from .schedules import MULTI, SCHEDULES, check_schedule, make_schedule
 from .stages import StageSpec, split_layers
 
 __all__ = [
+    "SCHEDULES",
     "P2PMeter",
     "Pipeline",
     "StageSpec",
@@ -163,18 +166,47 @@ class TokenWeightedLoss:
 
 @dataclass
 class Pipeline:
-    """This rank's stage, its module (parameters under single-device names) and schedule."""
+    """This rank's stages, their modules (parameters under single-device names), the schedule.
+
+    One stage per rank (``1f1b``, ``gpipe``) or ``v`` virtual stages per rank
+    (``interleaved-1f1b``, ``zero-bubble``): ``specs`` and ``modules`` in stage order.
+    """
 
     mesh: Any
-    spec: StageSpec
-    module: nn.Module  # BoundaryStage, possibly FSDP2-wrapped
-    stage: Any  # torch.distributed.pipelining.PipelineStage
+    specs: tuple[StageSpec, ...]
+    modules: tuple[nn.Module, ...]  # BoundaryStage each, possibly FSDP2-wrapped
+    stages: tuple[Any, ...]  # torch.distributed.pipelining.PipelineStage each
     schedule: Any
     n_microbatches: int
     boundary_shape: tuple[int, ...]  # what one micro-batch sends across a boundary, per rank
     dtype: torch.dtype = torch.float32
     loss_fn: TokenWeightedLoss = field(default_factory=lambda: TokenWeightedLoss(1, 1))
     losses: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def spec(self) -> StageSpec:
+        """The one stage of a single-stage schedule (the first of this rank's otherwise)."""
+        return self.specs[0]
+
+    @property
+    def module(self) -> nn.Module:
+        """The one stage module of a single-stage schedule (refused with several)."""
+        if len(self.modules) != 1:
+            raise PipelineError(f"this rank holds {len(self.modules)} stages: use .modules")
+        return self.modules[0]
+
+    @property
+    def holds_first(self) -> bool:
+        return any(s.first for s in self.specs)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(s.last for s in self.specs)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """Every parameter of this rank's stages (for an optimizer)."""
+        for module in self.modules:
+            yield from module.parameters()
 
     @property
     def boundary_bytes(self) -> int:
@@ -198,57 +230,83 @@ class Pipeline:
         :class:`TokenWeightedLoss`); the loss is broadcast from the last stage to every
         stage, this dp rank's share of that mean times dp.
         """
+        return self._run(ids, labels, masks, backward=True)
+
+    def evaluate(
+        self, ids: torch.Tensor, labels: torch.Tensor | None = None, **masks: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`step`'s loss with no backward (the schedule's forward-only ``eval``,
+        under ``no_grad``): the same micro-batches, weights and broadcast, no gradient
+        touched. Validation at ``--pp > 1``."""
+        with torch.no_grad():
+            return self._run(ids, labels, masks, backward=False)
+
+    def _run(
+        self, ids: torch.Tensor, labels: torch.Tensor | None, masks: dict[str, torch.Tensor],
+        backward: bool,
+    ) -> torch.Tensor:  # fmt: skip
         self.losses = []
         labels = ids if labels is None else labels
-        if self.spec.last:
+        if self.holds_last:
             total = (labels[:, 1:] != IGNORE_INDEX).sum().reshape(1)
             if self.mesh["dp"].size() > 1:
                 dist.all_reduce(total, group=self.mesh["dp"].get_group())
             self.loss_fn.total = total[0]
+        run = self.schedule.step if backward else self.schedule.eval
         kwargs = {"labels": labels, **masks}
-        if self.spec.first:
-            self.schedule.step(ids, return_outputs=False, **kwargs)
-        elif self.spec.last:
-            self.schedule.step(target=labels, losses=self.losses, return_outputs=False, **kwargs)
+        args = (ids,) if self.holds_first else ()
+        if self.holds_last:
+            run(*args, target=labels, losses=self.losses, return_outputs=False, **kwargs)
         else:
-            self.schedule.step(return_outputs=False, **kwargs)
+            run(*args, return_outputs=False, **kwargs)
         loss = torch.zeros((), dtype=torch.float32, device=ids.device)
-        if self.spec.last:
+        if self.holds_last:
             loss = torch.stack([x.detach().float() for x in self.losses]).mean()
         pp_group = self.mesh["pp"].get_group()
-        src = dist.get_global_rank(pp_group, self.spec.num_stages - 1)
+        pp = self.mesh["pp"].size()
+        src = dist.get_global_rank(pp_group, (self.spec.num_stages - 1) % pp)
         dist.broadcast(loss, src=src, group=pp_group)
         return loss
 
     def named_parameters_local(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters under their single-device names (TP blocks, FSDP2 DTensors at dp > 1)."""
-        for name, prm in self.module.named_parameters():
-            yield name.removeprefix("stage."), prm
+        for module in self.modules:
+            for name, prm in module.named_parameters():
+                yield name.removeprefix("stage."), prm
 
     def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """This stage's parameters (``grads``: the gradients of those that have one) at
-        global shapes (a collective over dp and tp)."""
-        from ..tp.placement import R
-        from ..tp.shadow import parallel_state
-        from ..tp.state_dict import _gather_one
-
-        state = parallel_state(self.module.stage)
+        """This rank's stages' parameters (``grads``: the gradients of those that have one)
+        at global shapes (a collective over dp and tp)."""
         out: dict[str, torch.Tensor] = {}
-        with torch.no_grad():
-            for name, prm in self.named_parameters_local():
-                src = prm.grad if grads else prm
-                if src is None:
-                    continue
-                full_tensor = getattr(src, "full_tensor", None)
-                block = full_tensor() if callable(full_tensor) else src.detach()
-                if state is None:
-                    out[name] = block.clone()
-                    continue
-                plan = state.plan
-                placement = plan.params.get(name, R)
-                shape = tuple(plan.param_shapes.get(name, tuple(block.shape)))
-                out[name] = _gather_one(name, block, placement, shape, plan.group, plan.p).clone()
+        for module in self.modules:
+            out.update(_full_state_dict(module, grads))
         return out
+
+
+def _full_state_dict(module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    """One stage module's parameters (or gradients) at global shapes."""
+    from ..tp.placement import R
+    from ..tp.shadow import parallel_state
+    from ..tp.state_dict import _gather_one
+
+    state = parallel_state(module.stage)
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, prm in module.named_parameters():
+            name = name.removeprefix("stage.")
+            src = prm.grad if grads else prm
+            if src is None:
+                continue
+            full_tensor = getattr(src, "full_tensor", None)
+            block = full_tensor() if callable(full_tensor) else src.detach()
+            if state is None:
+                out[name] = block.clone()
+                continue
+            plan = state.plan
+            placement = plan.params.get(name, R)
+            shape = tuple(plan.param_shapes.get(name, tuple(block.shape)))
+            out[name] = _gather_one(name, block, placement, shape, plan.group, plan.p).clone()
+    return out
 
 
 def _stage_examples(
@@ -270,18 +328,25 @@ def _stage_examples(
     return args, kwargs
 
 
-def _make_schedule(stage: Any, n_microbatches: int, schedule: str, loss_fn: Any) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+def _build_stage(
+    model: nn.Module, spec: StageSpec, mesh: Any, hf: bool, example: tuple[Any, ...],
+    options: dict[str, Any] | None, compile: bool,
+) -> nn.Module:  # fmt: skip
+    """One stage's module: cut from ``model``, parallelized over tp, maybe compiled."""
+    import boost_compiler
 
-    kinds = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-    if schedule not in kinds:
-        raise PipelineError(f"unknown schedule {schedule!r}; choose one of {sorted(kinds)}")
-    if schedule == "1f1b" and n_microbatches < stage.num_stages:
-        raise PipelineError(
-            f"1F1B needs n_microbatches >= pp ({n_microbatches} < {stage.num_stages}); "
-            "use more micro-batches or schedule='gpipe'"
-        )
-    return kinds[schedule](stage, n_microbatches, loss_fn=loss_fn)
+    from . import pipeline_hf
+
+    stage_mod = pipeline_hf.hf_stage(model, spec) if hf else CoLAStage(model, spec)
+    tp = mesh["tp"].size()
+    if tp > 1:
+        boost_compiler.parallelize(stage_mod, mesh["tp"], *example, options)
+    if compile:
+        # As the loop does under FSDP2: the module (its hooks, the boundary) stays eager,
+        # the forward it calls is compiled, with this stage's BTP plan at tp > 1.
+        compiled = torch.compile(stage_mod.forward, backend="boost")
+        stage_mod.forward = compiled  # type: ignore[method-assign]
+    return BoundaryStage(stage_mod, mesh["tp"].get_group() if tp > 1 else None)
 
 
 def build_pipeline(
@@ -296,26 +361,30 @@ def build_pipeline(
     options: dict[str, Any] | None = None,
     compile: bool = False,
     masks: bool = False,
+    virtual_stages: int | None = None,
 ) -> Pipeline:
-    """This rank's stage of ``model`` (a ``ColaLlama`` or a transformers causal LM of a
+    """This rank's stages of ``model`` (a ``ColaLlama`` or a transformers causal LM of a
     family ``pipeline_hf`` splits; identical on every rank).
 
     ``batch`` is the per-dp-rank batch of one step, cut into ``n_microbatches``;
+    ``schedule``: one of :data:`SCHEDULES`; ``interleaved-1f1b`` and ``zero-bubble`` cut
+    the model into ``pp * virtual_stages`` stages (default 2 per rank; ``layer_counts``
+    then names every stage's layers), the others into ``pp``;
     ``masks``: every step passes ``attention_mask`` and ``position_ids`` (a transformers
     model on padded rows, see :meth:`Pipeline.step`);
-    ``compile``: the stage's forward through ``torch.compile(backend="boost")`` (the
+    ``compile``: each stage's forward through ``torch.compile(backend="boost")`` (the
     boundary conversions and the schedule stay eager around it).
     """
     from torch.distributed.pipelining import PipelineStage
 
-    import boost_compiler
+    from . import pipeline_hf
 
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
     dp = mesh["dp"].size()
+    v = virtual_stages if virtual_stages is not None else (2 if schedule in MULTI else 1)
+    check_schedule(schedule, pp, n_microbatches, v, compile)
     if batch % n_microbatches:
         raise PipelineError(f"batch {batch} is not divisible by n_microbatches {n_microbatches}")
-    from . import pipeline_hf
-
     hf = pipeline_hf.is_hf_causal_lm(model)
     if hf:
         pipeline_hf.check_tp(model, tp)
@@ -324,80 +393,35 @@ def build_pipeline(
         n_layers, d_model, tied = model.cfg.n_layers, model.cfg.d_model, model.cfg.tie_embeddings
     if pp > 1 and tied:
         raise PipelineError("tied embeddings would span the first and last stage: untie them")
-    specs = split_layers(n_layers, pp, layer_counts)
-    spec = specs[mesh["pp"].get_local_rank()]
-    param = next(model.parameters())
-    device, dtype = param.device, param.dtype
-    stage_mod = pipeline_hf.hf_stage(model, spec) if hf else CoLAStage(model, spec)
-    mb = batch // n_microbatches
     if masks and not hf:
         raise PipelineError("attention masks and position ids are for transformers models")
-    args, kwargs = _stage_examples(spec, d_model, mb, seq, dtype, device, masks)
-    if tp > 1:
-        boost_compiler.parallelize(stage_mod, mesh["tp"], args, kwargs, options)
-    if compile:
-        # As the loop does under FSDP2: the module (its hooks, the boundary) stays eager,
-        # the forward it calls is compiled, with this stage's BTP plan at tp > 1.
-        compiled = torch.compile(stage_mod.forward, backend="boost")
-        stage_mod.forward = compiled  # type: ignore[method-assign]
-    module: nn.Module = BoundaryStage(stage_mod, mesh["tp"].get_group() if tp > 1 else None)
-    if dp > 1 and fsdp:
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(module, mesh=mesh["dp"])
+    rank = mesh["pp"].get_local_rank()
+    specs = split_layers(n_layers, pp * v, layer_counts)[rank::pp]
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    mb = batch // n_microbatches
     shard = (mb, seq, d_model // tp)
 
     # requires_grad in the metadata: the received activation's gradient is sent back.
     def act() -> torch.Tensor:
         return torch.empty(shard, dtype=dtype, device=device, requires_grad=True)
 
-    inputs = args if spec.first else (act(),)
-    output = torch.empty((), dtype=torch.float32, device=device) if spec.last else act()
-    stage = PipelineStage(
-        module, spec.index, pp, device, input_args=inputs, output_args=output,
-        group=mesh["pp"].get_group(),
-    )  # fmt: skip
+    modules, stages = [], []
+    for spec in specs:
+        example = _stage_examples(spec, d_model, mb, seq, dtype, device, masks)
+        module = _build_stage(model, spec, mesh, hf, example, options, compile)
+        if dp > 1 and fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(module, mesh=mesh["dp"])
+        inputs = example[0] if spec.first else (act(),)
+        output = torch.empty((), dtype=torch.float32, device=device) if spec.last else act()
+        stages.append(PipelineStage(
+            module, spec.index, spec.num_stages, device, input_args=inputs, output_args=output,
+            group=mesh["pp"].get_group(),
+        ))  # fmt: skip
+        modules.append(module)
     loss_fn = TokenWeightedLoss(n_microbatches, dp)
-    sched = _make_schedule(stage, n_microbatches, schedule, loss_fn)
-    return Pipeline(mesh, spec, module, stage, sched, n_microbatches, shard, dtype, loss_fn)
-
-
-@dataclass
-class P2PMeter:
-    """Bytes the pipeline's point-to-point ops send, and seconds spent waiting on them.
-
-    Patches the two module-level helpers every ``torch.distributed.pipelining``
-    schedule calls (``_batch_p2p`` to post a batch of ops, ``_wait_batch_p2p`` to wait
-    for it): measurement only, the ops themselves are unchanged.
-    """
-
-    sent_bytes: int = 0
-    sends: list[tuple[tuple[int, ...], int, int]] = field(default_factory=list)  # shape, B, peer
-    wait_s: float = 0.0
-
-    @contextlib.contextmanager
-    def watch(self) -> Iterator[P2PMeter]:
-        from torch.distributed.pipelining import schedules
-
-        post, wait = schedules._batch_p2p, schedules._wait_batch_p2p
-
-        def counted_post(ops: list[dist.P2POp], desc: str | None = None) -> Any:
-            for op in ops:
-                if op.op in (dist.isend, dist.send):
-                    nbytes = op.tensor.numel() * op.tensor.element_size()
-                    self.sends.append((tuple(op.tensor.shape), nbytes, op.peer))
-                    self.sent_bytes += nbytes
-            return post(ops, desc=desc)
-
-        def timed_wait(works: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return wait(works)
-            finally:
-                self.wait_s += time.perf_counter() - t0
-
-        schedules._batch_p2p, schedules._wait_batch_p2p = counted_post, timed_wait
-        try:
-            yield self
-        finally:
-            schedules._batch_p2p, schedules._wait_batch_p2p = post, wait
+    sched = make_schedule(stages, n_microbatches, schedule, loss_fn)
+    return Pipeline(mesh, tuple(specs), tuple(modules), tuple(stages), sched, n_microbatches,
+                    shard, dtype, loss_fn)  # fmt: skip

@@ -166,6 +166,7 @@ def setup(cfg: TrainConfig) -> Run:
         # The pipeline builds its run with the embedded corpus; the data is swapped in here.
         run = setup_pipeline_run(dataclasses.replace(cfg, data=None))
         run.cfg, run.corpus = cfg, open_data(cfg, run.dp_rank, run.dp)
+        run.held_out = open_eval(cfg)
         return run
     tp = cfg.tp
     dp = cfg.dp if cfg.dp is not None else world // tp
@@ -210,13 +211,28 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     fsdp = dp > 1 and cfg.fsdp
     pipe = build_pipeline(
         model, mesh, cfg.batch // dp, cfg.seq, cfg.micro_batches(dp), fsdp=fsdp,
-        layer_counts=cfg.pp_layers, compile=cfg.compile,
+        layer_counts=cfg.pp_layers, compile=cfg.compile, schedule=cfg.schedule,
+        virtual_stages=cfg.virtual_stages,
     )  # fmt: skip
-    stage = pipe.module.stage
-    layout = ckpt.model_layout(stage, mesh["tp"] if tp > 1 else None)
+    stages = [m.stage for m in pipe.modules]  # this rank's, one per virtual stage
+    layout = _stages_layout(stages, mesh["tp"] if tp > 1 else None)
     layout.keys = model_keys
+    stage = stages[0]
     slots, opt = make_optimizer(layout, cfg, tp)
     norm_group = comm.group_over(mesh, ("pp", "dp"), timeout) if fsdp else mesh["pp"].get_group()
-    return Run(cfg, dp, tp, mesh, device, load_corpus(cfg.data), stage, pipe.module, opt,
-               layout, slots, fsdp, plan_bytes(stage), _dp_bytes(layout, dp, fsdp), pipe,
-               norm_group)  # fmt: skip
+    return Run(cfg, dp, tp, mesh, device, load_corpus(cfg.data), stage, None, opt,
+               layout, slots, fsdp, sum(plan_bytes(s) for s in stages),
+               _dp_bytes(layout, dp, fsdp), pipe, norm_group)  # fmt: skip
+
+
+def _stages_layout(stages: list[nn.Module], tp_mesh: Any) -> ckpt.Layout:
+    """One layout over this rank's stages (their parameter names are disjoint: each
+    stage holds its own layers under the whole model's names)."""
+    parts = [ckpt.model_layout(s, tp_mesh) for s in stages]
+    out = parts[0]
+    for part in parts[1:]:
+        out.entries += part.entries
+        out.buffers.update(part.buffers)
+        out.aliases.update(part.aliases)
+        out.tp_mesh = out.tp_mesh or part.tp_mesh
+    return out
