@@ -459,10 +459,10 @@ class PipelineBoundary:
     """What one micro-batch moves across one pipeline-stage boundary (bytes, one tp rank).
 
     ``p2p`` is the activation sent forward (the gradient sent back is as large): the
-    hidden shard ``[b/m, s, d/p]``. ``tp_gather`` is the payload of each all-gather of
-    the full ``[b/m, s, d]`` the boundary costs inside the tp groups today (the stage
-    graph's replicated output, the receiver's re-assembly; one of each backward too:
-    ``train/pipeline.py``), 4 per boundary and micro-batch.
+    hidden shard ``[b/m, s, d/p]``. ``tp_gather`` is what the boundary adds inside the
+    tp groups: nothing, since the stages take and return their hidden shard
+    (``tp/boundary.py``; before, 4 all-gathers of ``[b/m, s, d]`` per boundary and
+    micro-batch, the stage graph's replicated output and the receiver's re-assembly).
     """
 
     p2p: int
@@ -476,7 +476,7 @@ def pipeline_boundary_bytes(
     if b % m or d % p:
         raise ValueError(f"b={b} must divide by m={m} and d={d} by p={p}")
     full = (b // m) * s * d * elem_bytes
-    return PipelineBoundary(p2p=full // p, tp_gather=full if p > 1 else 0)
+    return PipelineBoundary(p2p=full // p, tp_gather=0)
 
 
 # -- multi-head latent attention (DeepSeek-V2/V3) ----------------------------------

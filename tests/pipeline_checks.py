@@ -12,6 +12,8 @@ What was sent point-to-point is recorded per step (shapes, bytes, peers).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,9 +24,9 @@ from boost_compiler.train.pipeline import P2PMeter, build_pipeline, init_pipelin
 from tests.tp_harness import _rel
 
 
-def _optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+def _optimizer(kind: str, params: Any, lr: float = 0.1) -> torch.optim.Optimizer:
     if kind == "sgd":
-        return torch.optim.SGD(params, lr=0.1)
+        return torch.optim.SGD(params, lr=lr)
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
 
@@ -72,11 +74,13 @@ def _padded(ids: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
 def pipelined_step(
     pp: int, dp: int, tp: int, m: int, *, opt: str = "sgd", schedule: str = "1f1b",
     steps: int = 2, batch: int = 4, seq: int = 16, model: str = "cola", compile: bool = False,
-    padded: bool = False, virtual: int | None = None, world: int, mesh: Any,
+    padded: bool = False, virtual: int | None = None, lr: float = 0.1, world: int, mesh: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """``steps`` optimizer steps pipelined at (pp, dp, tp) with ``m`` micro-batches vs one device
-    (``schedule``'s stages: 2 layers each, or 1 each with ``virtual`` stages per rank; ``compile``: each stage's forward through the boost backend; ``padded``: left-padded
-    rows with attention masks and position ids, a transformers ``model`` only).
+    (``schedule``'s stages: 2 layers each, or 1 each with ``virtual`` stages per rank;
+    ``compile``: each stage's forward through the boost backend; ``padded``: left-padded
+    rows with attention masks and position ids, a transformers ``model`` only; ``lr``:
+    SGD's, 1e-3 for the zoo's families as ``tests/zoo_checks.py`` explains).
 
     ``batch`` is the global batch (split over dp, then into ``m`` micro-batches);
     ``model``: ``cola`` (the packaged CoLA-LLaMA) or ``hf`` (see :func:`_models`), 2
@@ -92,17 +96,18 @@ def pipelined_step(
     pipe = build_pipeline(whole, mesh3, batch // dp, seq, m, schedule=schedule, compile=compile,
                           masks=padded, virtual_stages=virtual)  # fmt: skip
     compiles_before = _inductor_compiles()
-    optim, ref_optim = _optimizer(opt, pipe.parameters()), _optimizer(opt, ref.parameters())
+    optim, ref_optim = _optimizer(opt, pipe.parameters(), lr), _optimizer(opt, ref.parameters(), lr)
     meter = P2PMeter()
     loss_err = grad_err = 0.0
     worst_grad = ""
     losses = []
     ref_params = dict(ref.named_parameters())
+    events: list[list[Any]] = []  # the last step's gloo collectives: name, input shapes
     for step in range(steps):
         ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(step))
         masks = _padded(ids, step) if padded else {}
         mine = {k: v.chunk(dp)[dp_rank] for k, v in masks.items()}
-        with meter.watch():
+        with meter.watch(), _gloo_events(events if step == steps - 1 else None):
             loss = pipe.step(ids.chunk(dp)[dp_rank], **mine)
         # the dp ranks saw disjoint rows: the global mean loss is their mean
         value = loss.reshape(1).clone()
@@ -120,6 +125,7 @@ def pipelined_step(
         ref_optim.zero_grad(set_to_none=True)
         loss_err = max(loss_err, _rel(value / dp, want.detach().reshape(1)))
         losses.append((value.item() / dp, want.item()))
+    whole = _whole_model_gloo(kind, start, mesh3, batch // dp // m, seq) if tp > 1 else []
     full = pipe.full_state_dict()
     param_errs = {name: _rel(t, ref_params[name]) for name, t in full.items()}
     start_sd = start.state_dict()
@@ -140,6 +146,8 @@ def pipelined_step(
         "boundary_shape": list(pipe.boundary_shape),
         "boundary_bytes": pipe.boundary_bytes,
         "sends": [[list(s), b, peer] for s, b, peer in meter.sends],
+        "gloo": events,
+        "whole_gloo": whole,
         "global_rank": dist.get_rank(),
         "compiled_graphs": _inductor_compiles() - compiles_before,
         "tp_rank": mesh3["tp"].get_local_rank(),
@@ -193,6 +201,39 @@ def trainer(
 def _layers(n_layers: int | None) -> dict[str, Any]:
     """The preset's ``[model]`` overrides: its layer count, when given."""
     return {"n_layers": n_layers} if n_layers else {}
+
+
+def _whole_model_gloo(kind: str, start: Any, mesh3: Any, mb: int, seq: int) -> list[list[Any]]:
+    """What gloo runs for one forward + backward of the whole model (a copy of the untouched
+    start), parallelized over this rank's tp group, on one micro-batch: the collectives a
+    pipeline's stages must add up to per micro-batch if their boundaries add none."""
+    import copy
+
+    import boost_compiler
+
+    model = copy.deepcopy(start)
+    ids = torch.randint(0, 64, (mb, seq), generator=torch.Generator().manual_seed(7))
+    kwargs = {"labels": ids} if kind == "cola" else {"labels": ids, "use_cache": False}
+    boost_compiler.parallelize(model, mesh3["tp"], (ids,), kwargs)
+    events: list[list[Any]] = []
+    with _gloo_events(events):
+        _loss_of(kind, model, ids, {}).backward()
+    return events
+
+
+@contextlib.contextmanager
+def _gloo_events(out: list[list[Any]] | None) -> Iterator[None]:
+    """Record what gloo ran (the profiler's ``gloo:*`` events, with input shapes) into
+    ``out``; nothing when ``out`` is None."""
+    if out is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        yield
+    out += [[e.name, [list(x) for x in e.input_shapes if x]] for e in prof.events()
+            if e.name.startswith("gloo:")]  # fmt: skip
 
 
 def _eval_flags(eval_data: str | None) -> dict[str, Any]:

@@ -130,6 +130,7 @@ def _check_exact(
     batch: int = 4,
     model: str = "cola",
     steps: int = 2,
+    rtol: float = RTOL,
 ) -> None:
     rks = res["ranks"]
     assert len(rks) == pp * dp * tp
@@ -139,9 +140,9 @@ def _check_exact(
     assert all([s for s, _, _ in r["stages"]] == list(range(r["stage"], pp * v, pp)) for r in rks)
     for r in rks:
         assert r["loss"] <= RTOL, r
-        assert r["grad"] <= RTOL, (r["worst_grad"], r)
+        assert r["grad"] <= rtol, (r["worst_grad"], r)
         assert r["grad_params"] == r["params"], r  # every parameter's gradient was compared
-        assert r["param"] <= RTOL, (r["worst_param"], r)
+        assert r["param"] <= rtol, (r["worst_param"], r)
         assert r["moved"] > 1e-4, r  # the steps changed the parameters
     first = [r for r in rks if r["stage"] == 0]
     last = [r for r in rks if r["stage"] == pp - 1]
@@ -171,9 +172,32 @@ def test_pp2_tp2_is_exact_and_sends_shards(four: dict) -> None:
     print("pp=2 tp=2: bytes per micro-batch across the boundary, per tp rank:",
           res["boundary_bytes"], f"(full hidden {full_bytes})")  # fmt: skip
     assert res["boundary_bytes"] * 2 == full_bytes
-    # the cost model's figure is the measured one
+    # the cost model's figure is the measured one (the gathers: see the next test)
     model = pipeline_boundary_bytes(4, 16, D_MODEL, 2, 2)
-    assert (model.p2p, model.tp_gather) == (res["boundary_bytes"], full_bytes)
+    assert (model.p2p, model.tp_gather) == (res["boundary_bytes"], 0)
+
+
+def _hidden_gathers(events: list, shard: list[int]) -> int:
+    return sum(1 for name, shapes in events if name == "gloo:all_gather" and shapes == [shard])
+
+
+@pytest.mark.parametrize("key", ["pp2dp1tp2", "pp2dp1tp2/compiled", "hf/pp2dp1tp2"])
+def test_stage_boundaries_add_no_all_gather(four: dict, key: str) -> None:
+    """What gloo ran, on every rank: per micro-batch, the two stages together all-gather
+    the hidden state ``[b/m, s, d/tp]`` exactly as often as the whole model parallelized
+    over the same tp group does (its layers' own gathers): a stage boundary adds none,
+    forward or backward; the P2P wire carries one shard each way."""
+    _needs_hf(key)
+    rks = result_of(four, key)["ranks"]
+    m, shard = 2, [2, 16, D_MODEL // 2]
+    for tp_rank in (0, 1):
+        mine = [r for r in rks if r["tp_rank"] == tp_rank]
+        per_mb = sum(_hidden_gathers(r["gloo"], shard) for r in mine) / m
+        whole = {_hidden_gathers(r["whole_gloo"], shard) for r in mine}
+        assert len(whole) == 1 and per_mb == whole.pop(), (per_mb, mine[0]["whole_gloo"])
+        for r in mine:
+            sends = [(n, sh) for n, sh in r["gloo"] if n == "gloo:send"]
+            assert sends == [("gloo:send", [shard])] * m, sends
 
 
 def test_pp2_tp2_compiled_stages_are_exact(four: dict) -> None:
@@ -341,28 +365,51 @@ def test_pp2_padded_qwen3_is_exact(two: dict) -> None:
 
 
 @pytest.mark.skipif(not FULL, reason="compiles 4 ranks (minutes on 2 cores)")
-@pytest.mark.parametrize("family", ["qwen3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_pp2_tp2_compiled_hf_families_are_exact(family: str) -> None:
-    """pp=2 x tp=2, compiled stages, padded batches: Qwen3 after 3 steps (Gemma 3 is
-    refused at tp > 1 with pp: see the next test)."""
+    """pp=2 x tp=2, compiled stages, padded batches, 3 steps: Qwen3 and Gemma 3."""
     need("transformers")
-    kw = {"model": f"zoo:{family}", "padded": True, "compile": True, "steps": 3}
+    kw = {"model": f"zoo:{family}", "padded": True, "compile": True, "steps": 3, "lr": 1e-3}
     res = result_of(run_world(4, [(family, FN, (2, 1, 2, 2), kw)]), family)
     _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3)
     assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
 
 
-def test_pp_tp_refuses_families_not_measured_exact() -> None:
-    """Gemma 3's stages at tp=2 measured off by 3e-4 (issue 29): refused by name before
-    anything is built, not run wrong."""
-    need("transformers")
-    from boost_compiler.train.pipeline_hf import check_tp
-    from tests import zoo_checks
+# OLMo 2's tiny model amplifies float32 rounding even at lr 1e-3: a single-device twin
+# perturbed by 1e-7 differs by 3.2e-5 in its gradients after one step (measured; its
+# stages match one device to 7e-13 in float64). Every other family stays under 1e-5.
+NOISY = {"olmo2": 1e-4}
+FAMILIES_TP = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3",
+               "olmo2", "cohere", "stablelm", "starcoder2", "gpt_neox", "mixtral", "qwen3_moe",
+               "deepseek_v3")  # fmt: skip
 
-    model = zoo_checks.build("gemma3", tie_word_embeddings=False)
-    check_tp(model, 1)
-    with pytest.raises(PipelineError, match="'gemma3_text'.*not measured exact"):
-        check_tp(model, 2)
+
+@pytest.fixture(scope="module")
+def families() -> dict:
+    """Every family the stage split accepts, pp=2 x tp=2 eager, 3 SGD steps at lr 1e-3
+    (the zoo's: HF's initialisation makes these tiny models chaotic under large steps)."""
+    from boost_compiler.train.pipeline_hf import CHECKED
+
+    kinds = {"gemma3_text": "gemma3"}
+    checks = [(f, FN, (2, 1, 2, 2), {"model": f"zoo:{kinds.get(f, f)}", "steps": 3,
+                                      "lr": 1e-3}) for f in CHECKED]  # fmt: skip
+    return run_world(4, checks)
+
+
+@pytest.mark.skipif(not FULL, reason="16 families on 4 ranks (minutes on 2 cores)")
+@pytest.mark.parametrize("family", FAMILIES_TP)
+def test_pp2_tp2_every_family_is_exact(families: dict, family: str) -> None:
+    """Stages of every accepted family under BTP at tp=2 equal one device (each rank)."""
+    need("transformers")
+    res = result_of(families, family)
+    _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3, rtol=NOISY.get(family, RTOL))
+
+
+def test_every_accepted_family_is_checked_at_tp2() -> None:
+    need("transformers")
+    from boost_compiler.train.pipeline_hf import CHECKED
+
+    assert set(FAMILIES_TP) == set(CHECKED)
 
 
 @pytest.mark.skipif(not FULL, reason=FULL_REASON)
@@ -378,7 +425,7 @@ def test_pp2_dp2_tp2_is_exact() -> None:
 
 def test_cost_model_boundary_bytes() -> None:
     assert pipeline_boundary_bytes(8, 4096, 4096, 4, 4, 2).p2p == 2 * 4096 * 1024 * 2
-    assert pipeline_boundary_bytes(4, 16, 64, 1, 2).tp_gather == 0  # no tp: nothing to gather
+    assert pipeline_boundary_bytes(4, 16, 64, 2, 2).tp_gather == 0  # the stages take shards
     with pytest.raises(ValueError, match="divide"):
         pipeline_boundary_bytes(3, 16, 64, 2, 2)
 

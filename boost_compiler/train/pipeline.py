@@ -10,15 +10,13 @@ stage module is parallelized on its own with
 ``ScheduleInterleavedZeroBubble`` on request, the last two with ``v`` virtual stages per
 rank placed round-robin).
 Invariant: what crosses a stage boundary is this tp rank's hidden shard
-``[b/m, s, d/tp]``, sent to the same tp rank of the next stage, and the pipelined
-step computes the single-device step exactly. Why a shard needs two conversions:
-``parallelize`` makes every graph output replicated (``tp/apply.py``), so the
-sender slices the stage's replicated output (``scatter_to_tp``, no forward
-communication) and the receiver all-gathers it over tp (``gather_from_tp``) before
-the next stage's graph slices it again; the P2P wire carries ``1/tp`` of the
-activation, the tp groups carry an all-gather of ``[b/m, s, d]`` on each side of
-each boundary (forward and backward). A stage graph that returned its shard would
-remove those; ``parallelize`` has no such option yet.
+``[b/m, s, d/tp]``, sent to the same tp rank of the next stage, with no collective on
+either side of the wire, and the pipelined step computes the single-device step
+exactly. How: each stage's forward takes the shard in with ``from_tp_shards`` and hands
+its hidden on with ``to_tp_shard`` (``tp/boundary.py``); inside the stage's
+parallelized graph both are aliases of the residual stream's ``S(-1)`` shard, so
+neither the sender's output nor the receiver's input is all-gathered, forward or
+backward (``tests/test_pipeline.py`` counts gloo's events against the whole model's).
 """
 
 from __future__ import annotations
@@ -35,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import PipelineError
-from ..tp.collectives import gather_from_tp, group_name_of, scatter_to_tp
+from ..tp.boundary import from_tp_shards, to_tp_shard
+from ..tp.collectives import group_name_of
 from .comm import device_mesh
 from .p2p import P2PMeter
 from .schedules import MULTI, SCHEDULES, check_schedule, make_schedule
@@ -56,13 +55,19 @@ class CoLAStage(nn.Module):
     """A slice of a ``ColaLlama``: its forward is the model's, restricted to the slice.
 
     Parameter names are the single-device model's (``layers.3.attn...``), so plans,
-    checkpoints and comparisons use one vocabulary.
+    checkpoints and comparisons use one vocabulary. With ``boundary_group`` (the tp
+    group's name, at tp > 1) the hidden state crosses the stage's boundaries as this
+    rank's block of the last dim: taken in by ``from_tp_shards``, handed on by
+    ``to_tp_shard``, which the parallelized graph keeps on the residual stream's shards.
     """
 
-    def __init__(self, model: nn.Module, spec: StageSpec) -> None:
+    def __init__(
+        self, model: nn.Module, spec: StageSpec, boundary_group: str | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.cfg = model.cfg
+        self.boundary_group = boundary_group
         self.rope = copy.deepcopy(model.rope)  # every stage needs the tables
         if spec.first:
             self.embed, self.drop = model.embed, model.drop
@@ -74,9 +79,13 @@ class CoLAStage(nn.Module):
         cos, sin = self.rope(x.shape[1])
         if self.spec.first:
             x = self.drop(self.embed(x))
+        elif self.boundary_group is not None:
+            x = from_tp_shards(x, x.dim() - 1, self.boundary_group)
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if not self.spec.last:
+            if self.boundary_group is not None:
+                return to_tp_shard(x, x.dim() - 1, self.boundary_group)
             return x
         logits = self.lm_head(self.norm(x))
         if labels is None:
@@ -87,33 +96,31 @@ class CoLAStage(nn.Module):
 
 
 class BoundaryStage(nn.Module):
-    """The module ``PipelineStage`` runs: a (parallelized) stage with shard-sized boundaries.
+    """The module ``PipelineStage`` runs: a (parallelized) stage, its boundaries contiguous.
 
-    In: the previous stage's hidden shard, all-gathered over tp (its backward keeps this
-    rank's slice of the replicated gradient). Out: this rank's slice of the stage's
-    replicated output (its backward all-gathers the shard gradients, so the gradient
-    the stage's graph sees is replicated, as its exactness requires).
+    At tp > 1 the stage itself takes and returns its hidden shard (``from_tp_shards`` /
+    ``to_tp_shard`` inside its forward, see :class:`CoLAStage`), so what arrives and
+    leaves here is ``[b/m, s, d/tp]`` with no collective on either side; this wrapper
+    only makes both directions' buffers contiguous and owned, as gloo's sends need.
     """
 
-    def __init__(self, stage: nn.Module, tp_group: Any = None) -> None:
+    def __init__(self, stage: nn.Module) -> None:
         super().__init__()
         self.stage = stage
-        self.tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-        self.group = group_name_of(tp_group) if tp_group is not None else ""
 
     def forward(
         self, x: torch.Tensor, labels: torch.Tensor | None = None, **masks: torch.Tensor
     ) -> torch.Tensor:
         spec = self.stage.spec
-        if self.tp > 1 and not spec.first:
-            x = gather_from_tp(_ContiguousGrad.apply(x), -1, self.group, self.tp_rank, self.tp)
+        if not spec.first:
+            x = _ContiguousGrad.apply(x)
         # Only the last stage was captured with labels: the others' graphs take none.
         out = self.stage(x, labels=labels, **masks) if spec.last else self.stage(x, **masks)
-        if self.tp > 1 and not spec.last:
-            # gloo sends only contiguous buffers; a slice of the last dim is not one
-            out = scatter_to_tp(out, -1, self.group, self.tp_rank, self.tp).contiguous()
-        return out
+        if spec.last or (out._base is None and out.is_contiguous()):
+            return out
+        # A view (the graph may return its shard as an alias of the residual stream) is
+        # copied: zero bubble detaches the stage's output in place, which a view refuses.
+        return out.clone(memory_format=torch.contiguous_format)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -311,15 +318,16 @@ def _full_state_dict(module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
 
 def _stage_examples(
     spec: StageSpec, d_model: int, mb: int, seq: int, dtype: torch.dtype, device: torch.device,
-    masks: bool = False,
+    masks: bool = False, tp: int = 1,
 ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:  # fmt: skip
-    """One micro-batch's inputs as the stage's graph sees them (full hidden, global shapes;
-    ``masks``: with an ``attention_mask`` and ``position_ids``, as every stage takes them)."""
+    """One micro-batch's inputs as the stage receives them (the hidden: this tp rank's
+    ``[mb, seq, d/tp]``; ``masks``: with an ``attention_mask`` and ``position_ids``, as
+    every stage takes them)."""
     ids = torch.zeros(mb, seq, dtype=torch.long, device=device)
     if spec.first:
         args: tuple[torch.Tensor, ...] = (ids,)
     else:
-        hidden = torch.randn(mb, seq, d_model, dtype=dtype, device=device)
+        hidden = torch.randn(mb, seq, d_model // tp, dtype=dtype, device=device)
         args = (hidden.requires_grad_(),)  # as received: the schedule makes it require grad
     kwargs = {"labels": ids} if spec.last else {}
     if masks:
@@ -337,8 +345,12 @@ def _build_stage(
 
     from . import pipeline_hf
 
-    stage_mod = pipeline_hf.hf_stage(model, spec) if hf else CoLAStage(model, spec)
     tp = mesh["tp"].size()
+    group = group_name_of(mesh["tp"].get_group()) if tp > 1 else None
+    if hf:
+        stage_mod = pipeline_hf.hf_stage(model, spec, boundary_group=group)
+    else:
+        stage_mod = CoLAStage(model, spec, boundary_group=group)
     if tp > 1:
         boost_compiler.parallelize(stage_mod, mesh["tp"], *example, options)
     if compile:
@@ -346,7 +358,7 @@ def _build_stage(
         # the forward it calls is compiled, with this stage's BTP plan at tp > 1.
         compiled = torch.compile(stage_mod.forward, backend="boost")
         stage_mod.forward = compiled  # type: ignore[method-assign]
-    return BoundaryStage(stage_mod, mesh["tp"].get_group() if tp > 1 else None)
+    return BoundaryStage(stage_mod)
 
 
 def build_pipeline(
@@ -387,7 +399,6 @@ def build_pipeline(
         raise PipelineError(f"batch {batch} is not divisible by n_microbatches {n_microbatches}")
     hf = pipeline_hf.is_hf_causal_lm(model)
     if hf:
-        pipeline_hf.check_tp(model, tp)
         n_layers, d_model, tied = pipeline_hf.hf_dims(model)
     else:
         n_layers, d_model, tied = model.cfg.n_layers, model.cfg.d_model, model.cfg.tie_embeddings
@@ -408,7 +419,7 @@ def build_pipeline(
 
     modules, stages = [], []
     for spec in specs:
-        example = _stage_examples(spec, d_model, mb, seq, dtype, device, masks)
+        example = _stage_examples(spec, d_model, mb, seq, dtype, device, masks, tp)
         module = _build_stage(model, spec, mesh, hf, example, options, compile)
         if dp > 1 and fsdp:
             from torch.distributed.fsdp import fully_shard

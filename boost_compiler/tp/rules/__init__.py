@@ -9,7 +9,7 @@ whose source decides what a sharded graph computes (for cache keys).
 
 from __future__ import annotations
 
-from . import core, matrix, pointwise, reductions, registry, slicing, views, vocab
+from . import boundary, core, matrix, pointwise, reductions, registry, slicing, views, vocab
 
-_ALL = (registry, core, pointwise, matrix, views, slicing, reductions, vocab)
+_ALL = (registry, core, pointwise, matrix, views, slicing, reductions, vocab, boundary)
 MODULES = tuple(m.__name__ for m in _ALL)
