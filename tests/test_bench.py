@@ -47,6 +47,30 @@ def test_gpu_script_fails_fast_without_gpu() -> None:
     assert "no CUDA GPU available" in proc.stderr
 
 
+@pytest.mark.skipif(os.environ.get("BOOST_FULL_TESTS") != "1",
+                    reason="compiles the tiny preset 5 times (2 minutes); BOOST_FULL_TESTS=1")  # fmt: skip
+def test_gpu_script_dry_run_starts_every_part(tmp_path: Path) -> None:
+    """``gpu.sh --dry-run``: every part of the prepared GPU run (compiled training with both
+    backends, the GEMM microbench, the BTP layer on the fake process group) runs on the
+    CPU at toy sizes, with no error recorded and BTP's layer planned with no fallback."""
+    import json
+
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", "--out", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=470, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "gpu.json").read_text())
+    assert set(rec["train"]) == {"boost", "inductor"}
+    assert not any("error" in r for r in rec["train"].values()), rec["train"]
+    assert rec["gemm"] and {"dense", "standard", "btp", "boost"} <= set(
+        rec["gemm"][0]["strategies"]
+    )
+    assert "error" not in rec["btp"] and rec["btp"]["fallbacks"] == [], rec["btp"]
+    assert rec["btp"]["btp_step_s"] > 0 and rec["btp"]["collectives"], rec["btp"]
+
+
 def test_predictions_tiny() -> None:
     """The cost-model prediction per step, by hand for the tiny size (tp=2, fp32, 64 tokens)."""
     t, r, d, ff, L = TINY.tokens, TINY.rank, TINY.d, TINY.ff, TINY.layers

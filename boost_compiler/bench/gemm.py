@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .. import costmodel as cm
+from ..device import pick_device
 
 STRATEGIES = ("dense", "standard", "btp", "boost")
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -85,7 +86,7 @@ def time_mm(
     The best of ``repeats`` samples of ``min_time`` seconds each (timeit's advice: on a shared
     machine the slower samples measure the neighbours, not the kernel).
     """
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator().manual_seed(0)  # the default (CPU) generator: the same data anywhere
     a = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
     b = torch.randn(k, n, generator=gen).to(device=device, dtype=dtype)
     c = torch.empty(m, n, device=device, dtype=dtype)
@@ -111,13 +112,13 @@ def bench_scale(
     scale: Scale,
     tp: int,
     dtype: str = "fp32",
-    device: str = "cpu",
+    device: str | None = None,
     min_time: float = 0.02,
     strategies: tuple[str, ...] = STRATEGIES,
 ) -> dict[str, Any]:
     """Every strategy's per-rank GEMMs of one layer at ``scale``: times, GFLOP/s, intensity."""
     report = cm.cost(scale.dims, tp, scale.batch, scale.seq, dtype)
-    dev = torch.device(device)
+    dev = torch.device(device) if device is not None else pick_device()
     cache: dict[tuple[int, int, int], float] = {}
     out: dict[str, Any] = {
         "scale": scale.name,
@@ -160,7 +161,7 @@ def run(
     scales: list[str],
     tp: int = 2,
     dtype: str = "fp32",
-    device: str = "cpu",
+    device: str | None = None,
     threads: int | None = None,
     min_time: float = 0.02,
     batch: int | None = None,
@@ -230,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scales", default=",".join(CPU_SCALES), help=f"from {', '.join(SCALES)}")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--dtype", default="fp32", choices=list(TORCH_DTYPES))
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--device", default=None, help="torch device (default: the accelerator, else the CPU)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (one TP rank's share)")
     ap.add_argument("--batch", type=int, default=None, help="override each scale's batch")
     ap.add_argument("--seq", type=int, default=None, help="override each scale's seq")

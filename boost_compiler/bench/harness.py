@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..device import pick_device, process_group_backend
 from .peers import PROJS, TORCHTITAN
 
 # comm_per_layer.py's list (its analytic table knows these names); parallelize also takes NOSP
@@ -308,13 +309,13 @@ def _entry(
             from torch.distributed.device_mesh import init_device_mesh
 
             dist.init_process_group(
-                "gloo",
+                process_group_backend(),
                 store=dist.FileStore(store, world),
                 rank=rank,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
             )
-            mesh = init_device_mesh("cpu", (world,))
+            mesh = init_device_mesh(pick_device().type, (world,))
         fn: Callable[..., dict[str, Any]] = getattr(importlib.import_module(module), attr)
         result.update(fn(rank=rank, world=world, mesh=mesh, **payload))
     except BaseException as exc:

@@ -300,7 +300,7 @@ def _device(graph: fx.Graph) -> str:
         v = value_of(node)
         if isinstance(v, torch.Tensor):
             return v.device.type
-    return "cpu"
+    return torch.get_default_device().type
 
 
 def plan_graph(

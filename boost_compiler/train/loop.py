@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
+from ..device import process_group_backend
 from . import checkpoint as ckpt
 from . import comm, divergence, hf_model, mfu, report, run_folder
 from .clip import clip_grad_norm_
@@ -59,7 +60,7 @@ def init_distributed(timeout_s: float | None = None) -> bool:
     if dist.is_initialized():
         return False
     cuda = torch.cuda.is_available()
-    backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"
+    backend = process_group_backend()
     timeout = comm.timeout_of(timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if cuda:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import pick_device
 from ..errors import PipelineError
 from ..tp.boundary import from_tp_shards, to_tp_shard
 from ..tp.collectives import group_name_of
@@ -137,12 +138,18 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def init_pipeline_mesh(
-    pp: int, dp: int, tp: int, device: str = "cpu", timeout: datetime.timedelta | None = None
+    pp: int,
+    dp: int,
+    tp: int,
+    device: str | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> Any:
     """The ``(pp, dp, tp)`` mesh; the world must have exactly ``pp * dp * tp`` ranks.
 
-    Its groups wait at most ``timeout`` for a peer (None: torch's default; see train/comm.py).
+    ``device``: the mesh's device type (default: this process's, :func:`pick_device`). Its
+    groups wait at most ``timeout`` for a peer (None: torch's default; see train/comm.py).
     """
+    device = device or pick_device().type
     world = dist.get_world_size()
     if pp * dp * tp != world:
         raise PipelineError(f"pp*dp*tp = {pp}*{dp}*{tp} = {pp * dp * tp} != world size {world}")

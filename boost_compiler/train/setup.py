@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..device import pick_device
 from ..errors import VocabSizeError
 from ..tp.shadow import parallel_state
 from . import checkpoint as ckpt
@@ -105,13 +106,6 @@ class Run:
 
     def batch(self, step: int) -> torch.Tensor:
         return self.corpus.rows(step).to(self.device)
-
-
-def pick_device() -> torch.device:
-    """This rank's accelerator (torchrun set it from LOCAL_RANK), else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def plan_bytes(model: nn.Module) -> int:
