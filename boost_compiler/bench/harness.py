@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..device import pick_device, process_group_backend
+from ..device import process_group_backend
 from .peers import PROJS, TORCHTITAN
 
 # comm_per_layer.py's list (its analytic table knows these names); parallelize also takes NOSP
@@ -308,14 +308,17 @@ def _entry(
             import torch.distributed as dist
             from torch.distributed.device_mesh import init_device_mesh
 
+            # The mesh lives where the benchmark's modules are built: torch's default device
+            # (the CPU unless the caller set another), not wherever an accelerator exists.
+            device = torch.get_default_device()
             dist.init_process_group(
-                process_group_backend(),
+                process_group_backend(device),
                 store=dist.FileStore(store, world),
                 rank=rank,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
             )
-            mesh = init_device_mesh(pick_device().type, (world,))
+            mesh = init_device_mesh(device.type, (world,))
         fn: Callable[..., dict[str, Any]] = getattr(importlib.import_module(module), attr)
         result.update(fn(rank=rank, world=world, mesh=mesh, **payload))
     except BaseException as exc:
