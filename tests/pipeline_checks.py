@@ -74,13 +74,16 @@ def _padded(ids: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
 def pipelined_step(
     pp: int, dp: int, tp: int, m: int, *, opt: str = "sgd", schedule: str = "1f1b",
     steps: int = 2, batch: int = 4, seq: int = 16, model: str = "cola", compile: bool = False,
-    padded: bool = False, virtual: int | None = None, lr: float = 0.1, world: int, mesh: Any,
+    padded: bool = False, virtual: int | None = None, lr: float = 0.1, noise: bool = False,
+    world: int, mesh: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """``steps`` optimizer steps pipelined at (pp, dp, tp) with ``m`` micro-batches vs one device
     (``schedule``'s stages: 2 layers each, or 1 each with ``virtual`` stages per rank;
     ``compile``: each stage's forward through the boost backend; ``padded``: left-padded
     rows with attention masks and position ids, a transformers ``model`` only; ``lr``:
-    SGD's, 1e-3 for the zoo's families as ``tests/zoo_checks.py`` explains).
+    SGD's, 1e-3 for the zoo's families as ``tests/zoo_checks.py`` explains; ``noise``: also
+    train a single-device twin whose parameters are perturbed by 1e-7 relative, and report
+    how far float32 rounding alone takes its gradients from the reference's).
 
     ``batch`` is the global batch (split over dp, then into ``m`` micro-batches);
     ``model``: ``cola`` (the packaged CoLA-LLaMA) or ``hf`` (see :func:`_models`), 2
@@ -103,6 +106,7 @@ def pipelined_step(
     losses = []
     ref_params = dict(ref.named_parameters())
     events: list[list[Any]] = []  # the last step's gloo collectives: name, input shapes
+    twin = _Twin(start, opt, lr) if noise else None
     for step in range(steps):
         ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(step))
         masks = _padded(ids, step) if padded else {}
@@ -117,6 +121,8 @@ def pipelined_step(
         optim.zero_grad(set_to_none=True)
         want = _loss_of(kind, ref, ids, masks)
         want.backward()
+        if twin is not None:
+            twin.step(kind, ids, masks, {n: ref_params[n].grad for n in grads})
         for name, g in grads.items():
             err = _rel(g, ref_params[name].grad)
             if err > grad_err:
@@ -148,6 +154,8 @@ def pipelined_step(
         "sends": [[list(s), b, peer] for s, b, peer in meter.sends],
         "gloo": events,
         "whole_gloo": whole,
+        "noise": twin.grad_err if twin is not None else 0.0,
+        "ends": _ends(kind, start),
         "global_rank": dist.get_rank(),
         "compiled_graphs": _inductor_compiles() - compiles_before,
         "tp_rank": mesh3["tp"].get_local_rank(),
@@ -201,6 +209,45 @@ def trainer(
 def _layers(n_layers: int | None) -> dict[str, Any]:
     """The preset's ``[model]`` overrides: its layer count, when given."""
     return {"n_layers": n_layers} if n_layers else {}
+
+
+class _Twin:
+    """The reference's twin, its parameters perturbed by 1e-7 relative: how far float32
+    rounding alone moves one device's gradients over the same steps (this model's noise)."""
+
+    def __init__(self, start: Any, opt: str, lr: float) -> None:
+        import copy
+
+        self.model = copy.deepcopy(start)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for prm in self.model.parameters():
+                prm.mul_(1 + 1e-7 * torch.randn(prm.shape, generator=gen))
+        self.optim = _optimizer(opt, self.model.parameters(), lr)
+        self.grad_err = 0.0
+
+    def step(self, kind: str, ids: Any, masks: Any, ref_grads: dict[str, Any]) -> None:
+        _loss_of(kind, self.model, ids, masks).backward()
+        mine = dict(self.model.named_parameters())
+        for name, g in ref_grads.items():
+            self.grad_err = max(self.grad_err, _rel(mine[name].grad, g))
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+
+
+def _ends(kind: str, model: Any) -> list[list[str]]:
+    """The names of the first stage's own parameters (the embedding) and the last's (the
+    final norm and the head), found as the stage split finds them."""
+    if kind == "cola":
+        return [["embed.weight"], ["lm_head.weight", "norm.weight"]]
+    from boost_compiler.train.pipeline_hf import hf_parts
+
+    parts = hf_parts(model)
+    names = [n for n, _ in model.named_parameters()]
+    base = f"{parts.base}."
+    first = [n for n in names if n.startswith(f"{base}{parts.embed}.")]
+    last = [n for n in names if n.startswith((f"{base}{parts.norm}.", f"{parts.head}."))]
+    return [first, last]
 
 
 def _whole_model_gloo(kind: str, start: Any, mesh3: Any, mb: int, seq: int) -> list[list[Any]]:

@@ -118,7 +118,6 @@ ENDS = {
     "cola": ({"embed.weight"}, {"lm_head.weight", "norm.weight"}),
     "hf": ({"model.embed_tokens.weight"}, {"lm_head.weight", "model.norm.weight"}),
 }
-ENDS["zoo"] = ENDS["hf"]
 
 
 def _check_exact(
@@ -146,9 +145,13 @@ def _check_exact(
         assert r["moved"] > 1e-4, r  # the steps changed the parameters
     first = [r for r in rks if r["stage"] == 0]
     last = [r for r in rks if r["stage"] == pp - 1]
-    assert all(ENDS[model][0] <= set(r["params"]) for r in first)
-    assert all(ENDS[model][1] <= set(r["params"]) for r in last)
-    assert not any(ENDS[model][1] & set(r["params"]) for r in first)
+    for r in rks:  # the ends the split found are the family's embedding, norm and head
+        embed, tail = (set(names) for names in r["ends"])
+        assert embed and tail and (not ENDS.get(model) or (embed, tail) == ENDS[model]), r["ends"]
+        if r in first:
+            assert embed <= set(r["params"]) and not tail & set(r["params"]), r["params"]
+        if r in last:
+            assert tail <= set(r["params"]), r["params"]
     # What crosses the boundary: this tp rank's hidden shard, to the same tp rank.
     shard = [batch // dp // m, 16, D_MODEL // tp]
     for r in rks:
@@ -367,11 +370,19 @@ def test_pp2_padded_qwen3_is_exact(two: dict) -> None:
 @pytest.mark.skipif(not FULL, reason="compiles 4 ranks (minutes on 2 cores)")
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_pp2_tp2_compiled_hf_families_are_exact(family: str) -> None:
-    """pp=2 x tp=2, compiled stages, padded batches, 3 steps: Qwen3 and Gemma 3."""
+    """pp=2 x tp=2, compiled stages, padded batches, 3 steps: Qwen3 and Gemma 3. Inductor
+    reorders float32 sums more than eager BTP does, and these tiny models amplify rounding
+    step by step: measured, worst gradient 1.2e-5 (Qwen3) and 1.7e-5 (Gemma 3), where a
+    single-device twin perturbed by 1e-7 drifts 3.9e-6 and 9.6e-6 (losses 1e-7, parameters
+    8e-6). So gradients and parameters are held to 1e-5 or 4x the twin's drift, whichever
+    is larger; a wrong plan is off by 1e-3 and more."""
     need("transformers")
-    kw = {"model": f"zoo:{family}", "padded": True, "compile": True, "steps": 3, "lr": 1e-3}
+    kw = {"model": f"zoo:{family}", "padded": True, "compile": True, "steps": 3, "lr": 1e-3,
+          "noise": True}  # fmt: skip
     res = result_of(run_world(4, [(family, FN, (2, 1, 2, 2), kw)]), family)
-    _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3)
+    noise = max(r["noise"] for r in res["ranks"])
+    assert 0 < noise < 3e-5, noise  # the twin measured something, and little
+    _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3, rtol=max(RTOL, 4 * noise))
     assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
 
 
