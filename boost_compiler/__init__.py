@@ -31,8 +31,8 @@ from .backend import boost_backend
 from .convert import ConversionReport, LayerConversion, LowRankLinear, to_low_rank
 from .errors import BoostError
 from .explain import Report, explain
-from .hf_io import from_pretrained
 from .ir.capture import CapturedGraph, capture
+from .layouts import from_pretrained
 from .options import BoostOptions
 from .tp.parallel import parallelize
 from .tp.placement import Placement

@@ -35,6 +35,7 @@ from rich.table import Table
 from torch import nn
 
 from .errors import ConversionError, PatternError, RankError, UnsupportedModuleError
+from .sparse import SparsePart
 from .tp.shadow import is_shard, parallel_state
 
 log = logging.getLogger("boost_compiler.convert")
@@ -60,6 +61,9 @@ class LowRankLinear(nn.Module):
     Plain ``nn.Linear`` factors keep the state-dict layout obvious
     (``<name>.down.weight [r, d_in]``, ``<name>.up.weight [d_out, r]``, ``<name>.up.bias``)
     and give the compiler the ``d_in -> r -> d_out`` contraction pair it detects.
+    ``sparse=True`` adds SLTrain's fixed-support sparse term beside the pair,
+    ``y + x @ S^T`` (:class:`~boost_compiler.sparse.SparsePart`, ``<name>.sparse.weight``
+    and ``<name>.sparse.mask``).
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class LowRankLinear(nn.Module):
         *,
         bias: bool = True,
         activation: str | None = "silu",
+        sparse: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -78,9 +83,11 @@ class LowRankLinear(nn.Module):
         self.down = nn.Linear(d_in, rank, bias=False, device=device, dtype=dtype)
         self.act: nn.Module = nn.SiLU() if activation == "silu" else nn.Identity()
         self.up = nn.Linear(rank, d_out, bias=bias, device=device, dtype=dtype)
+        self.sparse = SparsePart(d_in, d_out, device=device, dtype=dtype) if sparse else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.up(self.act(self.down(x)))
+        y = self.up(self.act(self.down(x)))
+        return y if self.sparse is None else y + self.sparse(x)
 
     @property
     def activation(self) -> str | None:
@@ -97,7 +104,9 @@ def low_rank_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
     """
     return {
         name: {"in_features": mod.in_features, "out_features": mod.out_features,
-               "rank": mod.rank, "bias": mod.up.bias is not None, "activation": mod.activation}
+               "rank": mod.rank, "bias": mod.up.bias is not None, "activation": mod.activation,
+               # Only where there is one: records of plain pairs stay as they were.
+               **({"sparse": True} if mod.sparse is not None else {})}
         for name, mod in model.named_modules()
         if isinstance(mod, LowRankLinear)
     }  # fmt: skip

@@ -147,6 +147,13 @@ class HFFolderError(BoostError, ValueError):
     (names the file, the key or the module)."""
 
 
+class LayoutError(HFFolderError):
+    """A folder in another project's low-rank layout (CoLA, CoLA-M, LORO, SLTrain, the BOOST
+    reference's Nanotron) that cannot be read or written as asked: a key missing or of
+    another shape, a projection the layout cannot express (names the key, the module and
+    the layout)."""
+
+
 class RemoteCodeError(HFFolderError):
     """A Hugging Face folder whose ``config.json`` needs code from the folder or the Hub
     (``auto_map``, or a ``model_type`` transformers does not define): boost never runs it."""

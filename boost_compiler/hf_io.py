@@ -18,7 +18,9 @@ A boost low-rank model is an ordinary transformers model some of whose projectio
 ``method`` is how the factors were first made (``"svd"``, ``"cola"``; informational);
 each module's ``activation`` (``null`` or ``"silu"``, CoLA's) is what the forward uses.
 The weights are then ``<module>.down.weight [rank, in]``, ``<module>.up.weight [out,
-rank]`` and ``<module>.up.bias``.
+rank]`` and ``<module>.up.bias``; a module with ``"sparse": true`` (SLTrain's, imported by
+:mod:`boost_compiler.layouts`) also has ``<module>.sparse.weight [out, in]`` and its
+support ``<module>.sparse.mask``.
 
 Why a key and not a model class of our own (``auto_map`` and a modeling file):
 transformers would have to execute code from the folder (``trust_remote_code``) to
@@ -52,6 +54,7 @@ __all__ = [
     "LOW_RANK_KEY",
     "apply_layout",
     "from_pretrained",
+    "from_state_dict",
     "layout_record",
     "read_layout",
     "record_layout",
@@ -154,10 +157,13 @@ def read_layout(config: Any, where: str = "config.json") -> dict[str, Any] | Non
     for name, spec in raw["modules"].items():
         bad = [k for k, kind in _MODULE_FIELDS.items()
                if not isinstance(spec, Mapping) or type(spec.get(k)) is not kind]  # fmt: skip
-        if bad or spec.get("activation") not in (None, "silu") or spec["rank"] <= 0:
+        sparse = spec.get("sparse", False) if isinstance(spec, Mapping) else False
+        if (bad or spec.get("activation") not in (None, "silu") or spec["rank"] <= 0
+                or type(sparse) is not bool):  # fmt: skip
             raise HFFolderError(
                 f"{where}: {LOW_RANK_KEY} module '{name}' must have integer in_features, "
-                f'out_features, rank > 0, boolean bias and activation null or "silu"; got {spec}'
+                f'out_features, rank > 0, boolean bias and activation null or "silu" (and '
+                f"sparse, when given, a boolean); got {spec}"
             )
     return dict(raw)
 
@@ -193,7 +199,8 @@ def apply_layout(model: nn.Module, layout: Mapping[str, Any]) -> None:
         w = mod.weight
         pair = LowRankLinear(
             spec["in_features"], spec["out_features"], spec["rank"], bias=spec["bias"],
-            activation=spec["activation"], device=w.device, dtype=w.dtype,
+            activation=spec["activation"], sparse=spec.get("sparse", False), device=w.device,
+            dtype=w.dtype,
         )  # fmt: skip
         pair.train(mod.training)
         parent, _, attr = name.rpartition(".")
@@ -282,18 +289,57 @@ def from_pretrained(path: str | Path, *, strict: bool = True, **kwargs: Any) -> 
         cls = _low_rank_class(cls)
     if not any(folder.glob("*.safetensors")):
         raise HFFolderError(f"{folder}: no .safetensors weights (pickled weights are not read)")
+    return _load(cls, str(folder), config, strict, kwargs, str(folder))
+
+
+def _load(
+    cls: type, path: str | None, config: Any, strict: bool, kwargs: dict[str, Any], where: str
+) -> Any:
+    """transformers' own loading (from the folder, or from ``kwargs["state_dict"]`` when
+    ``path`` is None), with what it only warns about made an error under ``strict``."""
     if strict:  # mismatched shapes come back in the loading info (named), not as a bare error
         kwargs.setdefault("ignore_mismatched_sizes", True)
     model, info = cls.from_pretrained(
-        str(folder), config=config, output_loading_info=True, **_FORCED, **kwargs
+        path, config=config, output_loading_info=True, **_FORCED, **kwargs
     )
     problems = {k: sorted(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys",
                                                         "mismatched_keys")}  # fmt: skip
     if strict and any(problems.values()):
         detail = "; ".join(f"{k.replace('_', ' ')}: {v[:6]}" for k, v in problems.items() if v)
-        raise HFFolderError(f"{folder}: the weights do not fit the model its config builds: "
+        raise HFFolderError(f"{where}: the weights do not fit the model its config builds: "
                             f"{detail}")  # fmt: skip
     return model
+
+
+def from_state_dict(
+    config: Mapping[str, Any],
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+    where: str = "the state dict",
+    **kwargs: Any,
+) -> Any:
+    """What :func:`from_pretrained` returns, from a config dict (``to_dict()``, with its
+    :data:`LOW_RANK_KEY`) and the model's state dict in memory instead of a folder.
+
+    The importers of other projects' layouts (:mod:`boost_compiler.layouts`) end here:
+    transformers builds its own class from ``model_type`` and loads ``state_dict`` into it,
+    with the same strictness (``where`` names the source in errors).
+    """
+    tf = _transformers()
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    if model_type not in tf.CONFIG_MAPPING:
+        raise HFFolderError(f"{where}: model_type {model_type!r} is not a transformers model type")
+    cfg = tf.CONFIG_MAPPING[model_type].from_dict(values)
+    cls = causal_lm_class(cfg)
+    if read_layout(cfg, where) is not None:
+        cls = _low_rank_class(cls)
+    clash = sorted(k for k in kwargs if k in _FORCED or k in ("config", "state_dict"))
+    if clash:
+        raise HFFolderError(f"from_state_dict fixes {', '.join(clash)}")
+    kwargs = {**kwargs, "state_dict": dict(state_dict)}
+    return _load(cls, None, cfg, strict, kwargs, where)
 
 
 def _weights_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:

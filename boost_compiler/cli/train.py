@@ -33,7 +33,8 @@ def _train_run(args: argparse.Namespace) -> int:
     return 0
 
 
-FORMATS = ("safetensors", "pt", "hf")
+LAYOUT_FORMATS = ("cola", "cola-m", "loro", "sltrain", "boost-nanotron")  # boost_compiler.layouts
+FORMATS = ("safetensors", "pt", "hf", *LAYOUT_FORMATS)
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,10 +43,13 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="safetensors / pt: one state dict file; hf: a Hugging Face folder "
                    "(config.json with the low-rank layout, model.safetensors) that "
-                   "boost_compiler.from_pretrained loads, for --hf-config / --init-from runs "
-                   "(default: safetensors for a .safetensors name, else pt)")  # fmt: skip
+                   "boost_compiler.from_pretrained loads, for --hf-config / --init-from runs; "
+                   "cola, cola-m, loro, sltrain, boost-nanotron: a folder in that project's "
+                   "own low-rank layout (default: safetensors for a .safetensors name, else "
+                   "pt)")  # fmt: skip
     p.add_argument("--out", default=None,
-                   help="model.safetensors, model.pt, or the folder for --format hf")  # fmt: skip
+                   help="model.safetensors, model.pt, or the folder for --format hf or a "
+                   "layout")  # fmt: skip
     p.add_argument("out_path", nargs="?", default=None, metavar="OUT", help="the same as --out")
 
 
@@ -63,6 +67,10 @@ def _export_run(args: argparse.Namespace) -> int:
         from ..train.hf_model import export_hf
 
         info = export_hf(args.checkpoint, out)
+    elif fmt in LAYOUT_FORMATS:
+        from ..train.hf_model import export_layout
+
+        info = export_layout(args.checkpoint, out, fmt)
     else:
         if (fmt == "safetensors") != safetensors:
             raise TrainConfigError(
@@ -93,5 +101,6 @@ EXPORT = Command(
     _export_run,
     "Write a training checkpoint's model as one single-device state dict with the original "
     "parameter names (safetensors), loadable with strict=True; or, with --format hf, as a "
-    "Hugging Face folder that boost_compiler.from_pretrained loads.",
+    "Hugging Face folder that boost_compiler.from_pretrained loads; or in another project's "
+    "low-rank layout (--format cola, cola-m, loro, sltrain, boost-nanotron).",
 )

@@ -83,8 +83,33 @@ def _weight_placeholder(node: Any, params: set[str]) -> tuple[fx.Node, bool] | N
         elif kind == "t" or (kind == "transpose" and _is_swap_2d(node)):
             transposed = not transposed
             node = node.args[0]
+        elif (masked := _masked_weight(node, params)) is not None:
+            node = masked
         else:
             return None
+    return None
+
+
+def _masked_weight(node: fx.Node, params: set[str]) -> fx.Node | None:
+    """The weight operand of ``weight * mask``, a mask being a buffer (a placeholder that is
+    no parameter) of the weight's own shape; else None.
+
+    Why it still "is" the parameter: a fixed mask keeps or zeroes entries, so the product
+    has the weight's shape, layout and any split of it (the mask sliced alike), and its
+    gradient is the weight's, masked. It is how a sparse matrix of fixed support is held
+    dense (:class:`boost_compiler.sparse.SparsePart`, SLTrain's ``S``).
+    """
+    if op_kind(node) != "mul" or len(node.args) != 2 or node.kwargs:
+        return None
+    for weight, mask in (node.args, node.args[::-1]):
+        if (
+            isinstance(weight, fx.Node)
+            and isinstance(mask, fx.Node)
+            and mask.op == "placeholder"
+            and mask.name not in params
+            and shape_of(mask) == shape_of(weight) == shape_of(node)
+        ):
+            return weight
     return None
 
 

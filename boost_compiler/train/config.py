@@ -40,6 +40,9 @@ class TrainConfig:
     # Hugging Face models instead of the preset (train/hf_model.py).
     hf_config: str | None = None  # a transformers config folder: that model, made low-rank
     init_from: str | None = None  # a dense HF checkpoint folder: its weights, SVD-factored
+    # --init-from's low-rank layout (cola, cola-m, loro, sltrain, boost-nanotron; "hf": boost's
+    # own or a dense folder); None: detected from the folder (boost_compiler/layouts).
+    layout: str | None = None
     low_rank_method: str | None = None  # "cola" / "svd"; None: cola (hf_config), svd (init_from)
     rank_ratio: float = 0.25  # r = floor(ratio * min(d_in, d_out)) to a multiple of rank_multiple
     rank: int | None = None  # or this r for every converted layer
@@ -304,7 +307,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "class), made low-rank by to_low_rank, instead of --model")  # fmt: skip
     p.add_argument("--init-from", default=s, metavar="DIR",
                    help="start from a dense Hugging Face checkpoint folder (config.json + "
-                   "safetensors), SVD-factored; a boost export --format hf folder as it is")  # fmt: skip
+                   "safetensors), SVD-factored; a boost export --format hf folder, or another "
+                   "project's low-rank checkpoint (--layout), as it is")  # fmt: skip
+    p.add_argument("--layout", default=s,
+                   choices=("hf", "cola", "cola-m", "loro", "sltrain", "boost-nanotron"),
+                   help="--init-from's layout: CoLA, CoLA-M, LORO, SLTrain or the BOOST "
+                   "reference's Nanotron checkpoint, imported as factor pairs; hf: a Hugging "
+                   "Face folder (default: detected from the folder)")  # fmt: skip
     p.add_argument("--low-rank-method", choices=("cola", "svd"), default=s,
                    help="to_low_rank method (cola for --hf-config, svd for --init-from)")  # fmt: skip
     p.add_argument("--rank-ratio", type=float, default=s,

@@ -9,7 +9,10 @@
 * ``--init-from DIR``: a dense checkpoint folder (``config.json`` + safetensors) loaded by
   :func:`boost_compiler.from_pretrained` (transformers' ``from_pretrained``, local files,
   safetensors only), converted by SVD. A folder ``boost export --format hf`` wrote is
-  low-rank already and is trained on as it is.
+  low-rank already and is trained on as it is, and so is another project's low-rank
+  checkpoint (``--layout`` cola, cola-m, loro, sltrain, boost-nanotron, or detected from the
+  folder: :mod:`boost_compiler.layouts`), imported as factor pairs; ``boost export --format
+  <layout>`` (:func:`export_layout`) writes the trained model back in that layout.
 
 From there the trainer treats it as it treats the CoLA-LLaMA (BTP over ``tp`` with the
 loss in the graph, FSDP2 over ``dp``; at ``--pp > 1`` the model is cut into stages by
@@ -64,6 +67,8 @@ def check(cfg: TrainConfig) -> None:
         raise TrainConfigError(
             "give --hf-config (a fresh model) or --init-from (a checkpoint's weights), not both"
         )
+    if cfg.layout is not None and not cfg.init_from:
+        raise TrainConfigError("--layout names --init-from's layout: give --init-from DIR too")
     if cfg.low_rank_method not in (None, "cola", "svd"):
         raise TrainConfigError(
             f"--low-rank-method must be cola or svd, not {cfg.low_rank_method!r}"
@@ -85,6 +90,8 @@ def check(cfg: TrainConfig) -> None:
         )
     folder = Path(cfg.hf_config or cfg.init_from or "")
     flag = "--hf-config" if cfg.hf_config else "--init-from"
+    if cfg.init_from and _layout_of(cfg) not in (None, "hf"):
+        return  # another project's layout: read as JSON and safetensors, its own checks
     if not (folder / "config.json").is_file():
         raise TrainConfigError(
             f"{flag} {folder}: no config.json there (a Hugging Face model folder)"
@@ -93,6 +100,21 @@ def check(cfg: TrainConfig) -> None:
     from ..hf_io import refuse_remote_code
 
     refuse_remote_code(folder)  # auto_map: the folder's own code would be imported
+
+
+def _layout_of(cfg: TrainConfig) -> str | None:
+    """--init-from's layout: as given, else what the folder shows (None: a Hugging Face one)."""
+    if cfg.layout is not None:
+        return cfg.layout
+    from ..layouts import detect
+
+    folder = Path(cfg.init_from or "")
+    if not folder.is_dir():
+        raise TrainConfigError(f"--init-from {folder}: no such folder")
+    try:
+        return detect(folder)
+    except BoostError as err:
+        raise TrainConfigError(f"--init-from {folder}: {err}") from err
 
 
 def _check_model_type(folder: Path, flag: str) -> None:
@@ -192,9 +214,9 @@ def build(cfg: TrainConfig) -> nn.Module:
         _convert(model, cfg, method)
         record_layout(model, method)
     else:
-        from ..hf_io import from_pretrained
+        from ..layouts import from_pretrained
 
-        model = from_pretrained(str(cfg.init_from), dtype=torch.float32)
+        model = from_pretrained(str(cfg.init_from), layout=cfg.layout, dtype=torch.float32)
         _check_sizes(model.config, cfg)
         if read_layout(model.config) is not None:
             log.info("--init-from %s is low-rank already (%s): trained as it is", cfg.init_from,
@@ -236,5 +258,24 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
             "(--hf-config / --init-from): export it with --format safetensors"
         )
     folder = write_folder(out, config, sd)
+    return {"path": str(folder), "step": state["step"], "tensors": len(sd),
+            "numel": sum(t.numel() for t in sd.values())}  # fmt: skip
+
+
+def export_layout(checkpoint: str | Path, out: str | Path, layout: str) -> dict[str, Any]:
+    """``boost export --format <layout>``: the checkpoint's model in another project's
+    low-rank layout (:mod:`boost_compiler.layouts`: CoLA, CoLA-M, LORO, SLTrain, the BOOST
+    reference's Nanotron), for a run of ``--hf-config`` / ``--init-from``."""
+    from ..layouts import write
+    from .checkpoint import single_device_state_dict
+
+    sd, state = single_device_state_dict(checkpoint)
+    config = state.get(STATE_KEY)
+    if config is None:
+        raise HFFolderError(
+            f"{checkpoint}: a checkpoint of the packaged CoLA-LLaMA, not of a transformers model "
+            f"(--hf-config / --init-from): --format {layout} writes transformers models only"
+        )
+    folder = write(out, layout, config, sd)
     return {"path": str(folder), "step": state["step"], "tensors": len(sd),
             "numel": sum(t.numel() for t in sd.values())}  # fmt: skip
