@@ -71,6 +71,31 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
     dist.destroy_process_group()
 
 
+class _ChunkTimer:
+    """Seconds this rank's stages spend computing micro-batches (their forward and backward
+    chunk calls, zero bubble's weight half included): the work theory counts, apart from
+    P2P waits and the schedule's own bookkeeping."""
+
+    METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self, stages: Any) -> None:
+        self.seconds = 0.0
+        for stage in stages:
+            for name in self.METHODS:
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return run
+
+
 def _measure(rank: int, mesh: Any, args: argparse.Namespace, schedule: str,
              m: int) -> list[dict[str, Any]]:  # fmt: skip
     """``args.steps`` timed steps of one schedule at ``m`` micro-batches, after a warm-up."""
@@ -86,10 +111,11 @@ def _measure(rank: int, mesh: Any, args: argparse.Namespace, schedule: str,
     pipe.step(ids)  # warm-up: the first call compiles each stage's graph
     sched = _TimedSchedule(pipe.schedule)
     pipe.schedule = sched
+    chunks = _ChunkTimer(pipe.stages)
     rows = []
     for _ in range(args.steps):
         meter = P2PMeter()
-        sched.seconds = 0.0
+        sched.seconds = chunks.seconds = 0.0
         dist.barrier()
         t0 = time.perf_counter()
         with meter.watch():
@@ -99,7 +125,7 @@ def _measure(rank: int, mesh: Any, args: argparse.Namespace, schedule: str,
         total = time.perf_counter() - t0
         rows.append({"schedule": schedule, "m": m, "rank": rank, "step_s": dt,
                      "wait_s": meter.wait_s, "schedule_s": sched.seconds,
-                     "pipeline_s": total})  # fmt: skip
+                     "compute_s": chunks.seconds, "pipeline_s": total})  # fmt: skip
     return rows
 
 
@@ -112,9 +138,22 @@ def ideal_bubble(schedule: str, pp: int, m: int, v: int = 2) -> float:
     return (pp - 1) / (3 * v * m + pp - 1)  # zero bubble, T_F = T_B = T_W
 
 
+def unequal_bubble(compute: list[float], m: int) -> list[float]:
+    """1F1B's idle share per rank with the measured stage times and free communication: the
+    slowest stage sets the pace, ``T = (m + p - 1) c_max / m`` for per-step computes ``c``."""
+    pp = len(compute)
+    step = (m + pp - 1) * max(compute) / m
+    return [1.0 - c / step for c in compute]
+
+
 def _idle(r: dict[str, Any]) -> float:
     """The rank's idle share of the pipeline's step: not busy (its schedule less P2P waits)."""
     return 1.0 - (r["schedule_s"] - r["wait_s"]) / r["pipeline_s"]
+
+
+def _other(r: dict[str, Any]) -> float:
+    """The schedule's time that is neither computing nor waiting: its own bookkeeping."""
+    return r["schedule_s"] - r["compute_s"] - r["wait_s"]
 
 
 def _own_wait(r: dict[str, Any]) -> float:
@@ -159,11 +198,18 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, Any]]:
             step = sorted(r["pipeline_s"] for r in mine)[len(mine) // 2]
             row = {"bubble": _mean(mine, _idle), "ideal": ideal, "step_s": step,
                    "per_rank": [_mean(mine, _idle, k) for k in range(world)],
-                   "own_wait": [_mean(mine, _own_wait, k) for k in range(world)]}  # fmt: skip
+                   "own_wait": [_mean(mine, _own_wait, k) for k in range(world)],
+                   "compute_s": [_mean(mine, lambda r: r["compute_s"], k) for k in range(world)],
+                   "other_s": [_mean(mine, _other, k) for k in range(world)]}  # fmt: skip
+            if schedule in ("1f1b", "gpipe") and args.tp == 1:
+                row["unequal"] = sum(unequal_bubble(row["compute_s"], m)) / world
             summary.setdefault(schedule, {})[m] = row
             print(f"{schedule:>16} pp={args.pp} tp={args.tp} m={m}: bubble {row['bubble']:.3f} "
                   f"(ideal {ideal:.3f}; per rank {_fmt(row['per_rank'])}; P2P wait / own step, "
-                  f"no drain {_fmt(row['own_wait'])}), median step {step:.3f} s")  # fmt: skip
+                  f"no drain {_fmt(row['own_wait'])}), median step {step:.3f} s; compute per rank "
+                  f"{_fmt(row['compute_s'])} s, bookkeeping {_fmt(row['other_s'])} s"
+                  + (f"; 1F1B at these stage times {row['unequal']:.3f}" if "unequal" in row
+                     else ""))  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return summary
