@@ -118,6 +118,9 @@ def meta_device(*, world: int, mesh: Any) -> dict[str, Any]:
     on_meta = {n: p.is_meta for n, p in model.named_parameters()}
     local_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model.to_empty(device="cpu")
+    # the RoPE tables are non-persistent buffers: no state dict restores them (without this
+    # the check read uninitialised memory, and failed whenever it was not zeros)
+    model.rope.reset_parameters()
     boost_compiler.load_state_dict(model, full)
     plan = model.boost_plan
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -69,10 +69,28 @@ def _layout(name: str) -> Layout:
     return LAYOUTS[name]
 
 
+def refuse_auto_map(path: str | Path) -> None:
+    """A ``config.json`` naming code (``auto_map``) is refused first, whatever the layout, with
+    :class:`~boost_compiler.errors.RemoteCodeError`, before any other file is opened: boost
+    never runs a folder's code, and says so rather than fail later on something else."""
+    import json
+
+    from ..hf_io import refuse_remote_code
+
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text()) if file.is_file() else None
+    except ValueError:
+        return  # not JSON: scan() names the file
+    if isinstance(config, dict) and "auto_map" in config:
+        refuse_remote_code(path)
+
+
 def detect(path: str | Path) -> str | None:
     """The layout a folder is in, from its configs (``model_type``, ``splora_config.json``,
     ``model_config.json``) or its tensor names; None for a Hugging Face folder boost reads
     itself (dense, or with its own ``boost_low_rank`` key)."""
+    refuse_auto_map(path)
     source = scan(path, need_tensors=False)
     if LOW_RANK_KEY in source.configs.get("config.json", {}):
         return None  # boost's own export: its config says what it is
@@ -81,6 +99,7 @@ def detect(path: str | Path) -> str | None:
 
 def read(path: str | Path, layout: str | None = None) -> Converted:
     """The folder's model as transformers config dict and state dict (see :class:`Converted`)."""
+    refuse_auto_map(path)
     name = layout or detect(path)
     if name is None:
         raise LayoutError(f"{path}: not in any of the layouts {', '.join(LAYOUTS)} (give one)")
@@ -116,6 +135,7 @@ def from_pretrained(
     """
     from ..hf_io import from_pretrained as hf_from_pretrained
 
+    refuse_auto_map(path)
     name = layout if layout is not None else detect(path)
     if name is None or name == "hf":
         return hf_from_pretrained(path, strict=strict, **kwargs)

@@ -40,9 +40,13 @@ def tensor_files(folder: Path) -> dict[str, Stored]:
     files: dict[str, Stored] = {}
     flat = sorted(folder.glob("*.safetensors"))
     for file in flat:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                files.setdefault(key, []).append((file, key))
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                keys = list(f.keys())  # noqa: SIM118 (safe_open is not a Mapping)
+        except Exception as err:  # safetensors' own error type: a truncated or foreign file
+            raise LayoutError(f"{file}: not a readable safetensors file ({err})") from err
+        for key in keys:
+            files.setdefault(key, []).append((file, key))
     tree = folder / "model"
     if not flat and tree.is_dir():
         for file in sorted(tree.rglob("*.safetensors")):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
-from ..errors import BoostError, HFFolderError, VocabSizeError
+from ..errors import BoostError, HFFolderError, RemoteCodeError, VocabSizeError
 from ..hf_io import LOW_RANK_KEY, read_layout, record_layout, write_folder
 from .config import TrainConfig, TrainConfigError
 
@@ -113,6 +113,8 @@ def _layout_of(cfg: TrainConfig) -> str | None:
         raise TrainConfigError(f"--init-from {folder}: no such folder")
     try:
         return detect(folder)
+    except RemoteCodeError:
+        raise  # its own name: the folder asks for code boost never runs
     except BoostError as err:
         raise TrainConfigError(f"--init-from {folder}: {err}") from err
 
