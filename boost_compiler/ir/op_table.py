@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._ops import OpOverload, OpOverloadPacket
 
 # kind -> spellings: strings are ``call_method`` names, anything else a ``call_function`` target.
 SPELLINGS: dict[str, tuple[Any, ...]] = {
@@ -115,6 +116,9 @@ _ATTRIBUTES = {"T": "t", "mT": "t"}
 
 _FUNCTIONS: dict[Any, str] = {}
 _METHODS: dict[str, str] = {}
+# ``torch.library`` ops by qualified name (``"ns::op"``), for a library that registers its
+# ops only when imported (transformers' MoE kernels come with the model, after this table).
+_LIBRARY: dict[str, str] = {}
 
 
 def add_spelling(kind: str, *spellings: Any) -> None:
@@ -134,6 +138,19 @@ def add_spelling(kind: str, *spellings: Any) -> None:
     SPELLINGS[kind] = (*known, *(s for s in spellings if s not in known))
 
 
+def add_library_op(kind: str, *names: str) -> None:
+    """Make the ``torch.library`` ops named ``names`` (``"ns::op"``, any overload) mean ``kind``.
+
+    For ops of a library that may not be loaded yet when the rules register (the op
+    object does not exist until then, so :func:`add_spelling` cannot name it).
+    """
+    for name in names:
+        taken = _LIBRARY.get(name, kind)
+        if taken != kind:
+            raise ValueError(f"{name!r} already spells op kind {taken!r}, not {kind!r}")
+    _LIBRARY.update(dict.fromkeys(names, kind))
+
+
 for _kind, _spellings in list(SPELLINGS.items()):
     add_spelling(_kind, *_spellings)
 
@@ -149,9 +166,17 @@ def op_kind(node: Any) -> str | None:
     if node.target is getattr and len(node.args) == 2:
         return _ATTRIBUTES.get(node.args[1])  # type: ignore[arg-type]
     try:
-        return _FUNCTIONS.get(node.target)
+        found = _FUNCTIONS.get(node.target)
     except TypeError:  # an unhashable target is no spelling of anything
         return None
+    if found is None and isinstance(node.target, (OpOverload, OpOverloadPacket)):
+        return _LIBRARY.get(_qualified_name(node.target))
+    return found
+
+
+def _qualified_name(op: OpOverload | OpOverloadPacket) -> str:
+    """``"ns::op"`` of an op or of one of its overloads."""
+    return op._qualified_op_name if isinstance(op, OpOverloadPacket) else op._schema.name
 
 
 def function_spellings(kind: str) -> tuple[Any, ...]:
@@ -161,16 +186,16 @@ def function_spellings(kind: str) -> tuple[Any, ...]:
 
 def all_spellings() -> dict[Any, str]:
     """Every spelling -> its kind (method names as strings), for checks and reports."""
-    return {**_FUNCTIONS, **_METHODS}
+    return {**_FUNCTIONS, **_METHODS, **_LIBRARY}
 
 
 @contextmanager
 def spellings_scope() -> Iterator[None]:
     """Undo, on exit, every spelling added inside (tests that teach the table a toy op)."""
-    saved = dict(SPELLINGS), dict(_FUNCTIONS), dict(_METHODS)
+    saved = dict(SPELLINGS), dict(_FUNCTIONS), dict(_METHODS), dict(_LIBRARY)
     try:
         yield
     finally:
-        for table, old in zip((SPELLINGS, _FUNCTIONS, _METHODS), saved, strict=True):
+        for table, old in zip((SPELLINGS, _FUNCTIONS, _METHODS, _LIBRARY), saved, strict=True):
             table.clear()
             table.update(old)  # type: ignore[attr-defined]

@@ -27,6 +27,7 @@ from ..analysis.bottlenecks import Bottleneck
 from ..ir.op_table import op_kind
 from ..ir.ops import value_of
 from . import collectives as C
+from .copy_site import copy_site
 from .placement import P, Placement, R, S, unblock
 from .planner import plan_graph
 from .rules.core import requires_grad
@@ -217,16 +218,18 @@ class Applier:
         return self.converted[key]
 
     def _copy_in(self, node: fx.Node) -> None:
-        """f on every replicated input that requires grad of a rank-varying node."""
+        """f on every replicated input that requires grad of a rank-varying node (or on
+        the smaller value it was gathered from: ``copy_site``)."""
         for arg in node.all_input_nodes:
             if self.env.get(arg, R) == R and requires_grad(arg):
-                key = (arg, _F)
+                reader, src = copy_site(arg, node, lambda _, a: self.env.get(a, R))
+                key = (src, _F)
                 if key not in self.converted:
-                    with self.graph.inserting_after(arg):
-                        new = self.graph.call_function(C.copy_to_tp, (arg, self.group))
+                    with self.graph.inserting_after(src):
+                        new = self.graph.call_function(C.copy_to_tp, (src, self.group))
                     self.env[new] = R
                     self.converted[key] = new
-                node.replace_input_with(arg, self.converted[key])
+                reader.replace_input_with(src, self.converted[key])
 
     def _expand_piece(self, t: fx.Node, read: Read, user: fx.Node) -> fx.Node:
         """This rank's piece of a broadcast, made locally; the full broadcast, if now unread,

@@ -25,6 +25,7 @@ from ..errors import BoostError, MutationError, ShardingError
 from ..ir.ops import shape_of, value_of
 from ..ir.writes import is_mutation
 from . import plan_cost as cost
+from .copy_site import copy_site
 from .placement import P, Placement, R
 from .rules.core import describe, requires_grad
 from .rules.registry import ShardingResult, reads_blocks, rule_for
@@ -189,11 +190,26 @@ class Walk:
         found = Cost()
         if want != cur and (arg, want) not in self.planned:
             found = cost.conversion(value_of(arg), cur, want, self.p)
-        if s.rank_varying and want == R and (arg, _F) not in self.planned:
-            # f after a gather sends its gradient back as one reduce-scatter (the pass
-            # ``reduce_scatter_grads``): half an all-reduce.
-            found = found + cost.copy_in(value_of(arg), self.p, gathered=cur.is_shard)
+        if s.rank_varying and want == R:
+            found = found + self._copy_cost(node, arg, cur)
         return found
+
+    def _copy_cost(self, node: fx.Node, arg: fx.Node, cur: Placement) -> Cost:
+        """``f`` on ``arg`` for ``node``, or on the smaller value it is gathered from."""
+        _, src = copy_site(arg, node, self._read_as)
+        if (src, _F) in self.planned:
+            return Cost()
+        # f after a gather sends its gradient back as one reduce-scatter (the pass
+        # ``reduce_scatter_grads``): half an all-reduce.
+        return cost.copy_in(value_of(src), self.p, gathered=src is arg and cur.is_shard)
+
+    def _read_as(self, node: fx.Node, src: fx.Node) -> Placement:
+        """The placement the planned ``node`` reads its input ``src`` as."""
+        s = self.plan.get(node)
+        read = s.reads.get(src) if s is not None else None
+        if read is not None:
+            return read.placement
+        return R if s is not None and s.whole else self.placement(src)
 
     def _readers_cost(self, node: fx.Node, s: Strategy) -> Cost:
         """What reading ``node``'s value costs its readers at their cheapest, given ``s``."""
@@ -270,7 +286,7 @@ class Walk:
                     self.planned[(arg, R)] = None  # another split: through the whole value
                 self.planned[(read.via if read and read.via else arg, want)] = None
             if s.rank_varying and (want or cur) == R and requires_grad(arg):
-                self.planned[(arg, _F)] = None
+                self.planned[(copy_site(arg, node, self._read_as)[1], _F)] = None
         if s.note:
             self.result.decisions.append(s.note)
         if s.fuse is not None:

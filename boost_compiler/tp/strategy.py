@@ -52,7 +52,9 @@ class Then:
     """The conversion right after a partial (``P``) node, before any op reads it.
 
     ``to``: ``R`` (all-reduce) or ``S(d)`` (reduce-scatter); ``bias`` is added once to
-    the converted sum (a row-parallel layer's bias), read at that placement.
+    the converted sum (a row-parallel layer's bias), read at that placement. A partial
+    without one stays pending: its readers keep it (``rules/partial.py``, ops linear in
+    it) or read it converted.
     """
 
     to: Placement

@@ -9,7 +9,31 @@ whose source decides what a sharded graph computes (for cache keys).
 
 from __future__ import annotations
 
-from . import boundary, core, matrix, pointwise, reductions, registry, slicing, views, vocab
+from . import (
+    boundary,
+    core,
+    experts,
+    matrix,
+    partial,
+    pointwise,
+    reductions,
+    registry,
+    slicing,
+    views,
+    vocab,
+)
 
-_ALL = (registry, core, pointwise, matrix, views, slicing, reductions, vocab, boundary)
+_ALL = (
+    registry,
+    core,
+    pointwise,
+    matrix,
+    views,
+    slicing,
+    reductions,
+    vocab,
+    boundary,
+    experts,
+    partial,
+)
 MODULES = tuple(m.__name__ for m in _ALL)

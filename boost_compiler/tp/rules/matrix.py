@@ -42,7 +42,7 @@ def contraction(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     x_pl = ctx.placement(c.input)
     x_nd = len(shape_of(c.input))
     if role == "up":
-        blocks = _fused_blocks(ctx, node)
+        blocks = fused_blocks(ctx, node)
         s = Strategy(out=S(len(shape_of(node)) - 1, blocks)).read(c.input, R)
         if not _take(ctx, s, node, c.weight, S(1 - w_in, blocks)) or (
             c.bias is not None and not _take(ctx, s, node, c.bias, S(0, blocks))
@@ -119,13 +119,14 @@ def _row_parallel(
     return [reduced, scattered]
 
 
-def _fused_blocks(ctx: RuleContext, node: fx.Node) -> tuple[int, ...]:
+def fused_blocks(ctx: RuleContext, node: fx.Node) -> tuple[int, ...]:
     """Block sizes when every consumer splits this up factor's output into pieces.
 
     A fused q/k/v (or gate/up) factor is column-parallel per piece: each rank
     takes its slice of q, of k and of v, so the split runs locally and every
     piece is an ordinary hidden shard. A contiguous split of the fused
-    output would hand rank 0 all of q instead.
+    output would hand rank 0 all of q instead. (Also the experts' fused gate/up
+    grouped GEMM's, ``experts.py``.)
     """
     nd = len(shape_of(node))
     found = {split_sizes(u, nd - 1) for u in node.users}

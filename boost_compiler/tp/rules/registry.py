@@ -9,10 +9,13 @@ default every rule shares before dispatch: a node none of whose inputs is sharde
 replicated without calling its rule (a partial input is all-reduced, an open
 parameter it reads is fixed replicated). A rule therefore runs only when some input
 is a shard, unless it registered with ``always=True`` (rules that decide parameter
-placements, or leave them open, on replicated inputs). A node whose kind has no rule
+placements, or leave them open, on replicated inputs). A node with a partial (``P``)
+input goes to its kind's :func:`partial_rule` first, if it has one (ops linear in a
+partial sum keep it pending, ``partial.py``). A node whose kind has no rule
 falls back in the planner: its inputs are gathered, which is exact, and the plan
 lists it. Nothing here knows any op; the family modules
-(``pointwise``, ``matrix``, ``views``, ``slicing``, ``reductions``, ``vocab``)
+(``pointwise``, ``matrix``, ``views``, ``slicing``, ``reductions``, ``vocab``,
+``experts``, ``partial``)
 register themselves when :mod:`boost_compiler.tp.rules` is imported.
 """
 
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ...ir.op_table import op_kind, spellings_scope
-from ..placement import Placement
+from ..placement import P, Placement
 from ..strategy import Choice, Cost, RuleContext, Strategy
 from ..strategy import replicated as _replicated
 
@@ -55,6 +58,8 @@ class Rule:
 
 # kind -> rules, the latest registration first (a later rule overrides an earlier one).
 _RULES: dict[str, list[Rule]] = {}
+# kind -> the rule for a node of that kind with a partial input (the latest registration).
+_PARTIAL: dict[str, RuleFn] = {}
 # Kinds that may read a blocked shard (each reads whole blocks); any other op gathers it.
 _BLOCK_READERS: set[str] = set()
 # Kinds the op table knows that deliberately have no rule (sharded input: gathered).
@@ -90,6 +95,17 @@ def rule(
     return register
 
 
+def partial_rule(*kinds: str) -> Callable[[RuleFn], RuleFn]:
+    """Register the decorated ``(ctx, node) -> Strategy`` for nodes of ``kinds`` that read
+    a partial (``P``) value; it is called before any :func:`rule` of the kind."""
+
+    def register(fn: RuleFn) -> RuleFn:
+        _PARTIAL.update(dict.fromkeys(kinds, fn))
+        return fn
+
+    return register
+
+
 def registered_kinds() -> set[str]:
     return {kind for kind, rules in _RULES.items() if rules}
 
@@ -109,7 +125,10 @@ def replicated(ctx: RuleContext, node: fx.Node) -> Strategy:
 
 def rule_for(ctx: RuleContext, node: fx.Node) -> RuleFn | None:
     """The rule to call for ``node``: :func:`replicated` when no input is sharded; None without one."""
-    rules = _RULES.get(op_kind(node) or "", ())
+    kind = op_kind(node) or ""
+    if kind in _PARTIAL and any(ctx.peek(a) == P for a in node.all_input_nodes):
+        return _PARTIAL[kind]
+    rules = _RULES.get(kind, ())
     found = next((r for r in rules if r.guard is not None and r.guard(ctx, node)), None)
     found = found or next((r for r in rules if r.guard is None), None)
     if found is None:
@@ -125,6 +144,7 @@ def rule_for(ctx: RuleContext, node: fx.Node) -> RuleFn | None:
 def scope() -> Iterator[None]:
     """Undo, on exit, every rule and op-table spelling registered inside (tests)."""
     rules = {kind: list(found) for kind, found in _RULES.items()}
+    partial = dict(_PARTIAL)
     readers = set(_BLOCK_READERS)
     with spellings_scope():
         try:
@@ -132,5 +152,7 @@ def scope() -> Iterator[None]:
         finally:
             _RULES.clear()
             _RULES.update(rules)
+            _PARTIAL.clear()
+            _PARTIAL.update(partial)
             _BLOCK_READERS.clear()
             _BLOCK_READERS.update(readers)

@@ -80,12 +80,28 @@ def dim_move(ctx: RuleContext, node: fx.Node) -> Strategy:
         k = pl.dim + (1 if u <= pl.dim else 0)
     else:  # squeeze: which dims go depends on sizes, which the shard changes
         return fallback()
-    return Strategy(out=S(k))
+    # Moving a dim keeps its blocks: only a parameter's blocked shard gets here (a fused
+    # expert weight ``gate_up_proj.transpose(-2, -1)``), and its grouped GEMM reads blocks.
+    return Strategy(out=S(k, pl.blocks))
 
 
 def _of_open_parameter(ctx: RuleContext, node: fx.Node) -> bool:
-    """A 2-D transpose of a parameter whose placement is still open (``x @ self.weight.T``)."""
-    return bool(node.args) and ctx.is_open(node.args[0]) and weight_step(node) is not None
+    """A transpose of a parameter whose placement is still open: a 2-D one
+    (``x @ self.weight.T``), or of the matrices of a 3-D stack (a MoE block's expert
+    weights ``gate_up_proj.transpose(-2, -1)`` before its grouped GEMM)."""
+    return (
+        bool(node.args)
+        and ctx.is_open(node.args[0])
+        and (weight_step(node) is not None or swaps_matrices(node))
+    )
+
+
+def swaps_matrices(node: fx.Node) -> bool:
+    """``w.transpose(-2, -1)`` (either order) of a 3-D ``w``."""
+    shape = shape_of(node)
+    if op_kind(node) != "transpose" or shape is None or len(shape) != 3:
+        return False
+    return {d % 3 for d in node.args[1:3] if isinstance(d, int)} == {1, 2}
 
 
 @rule("t", "transpose", guard=_of_open_parameter, always=True)
@@ -93,8 +109,9 @@ def open_weight_transpose(ctx: RuleContext, node: fx.Node) -> Strategy:
     """Leave the parameter open: the contraction that reads this transpose places it.
 
     Placing it here would fix it replicated on its way to the layer (so ``x @ W.T``
-    gathered, where ``F.linear(x, W)`` is split); once the contraction splits the
-    parameter, the planner's second walk plans this transpose of the shard.
+    gathered, where ``F.linear(x, W)`` is split; the experts of a MoE block run whole on
+    every rank); once the contraction splits the parameter, the planner's second walk
+    plans this transpose of the shard.
     """
     return Strategy(out=R, keep_open=True)
 

@@ -1,0 +1,161 @@
+"""Sharding rules of grouped GEMMs: a MoE block's routed experts split over the group.
+
+``grouped_mm(x [S, K], w [E, K, N], offs [E])`` multiplies the rows of ``x`` that
+``offs`` assigns to expert ``e`` by ``w[e]`` (``transformers``' ``grouped_mm_fallback``,
+``torch._grouped_mm``). Invariant: the experts are split on their own ``K`` or ``N``,
+never on ``E``, so every rank runs every expert on the same rows and no token moves
+between ranks: a replicated ``x`` makes the GEMM column-parallel (``w`` split on ``N``,
+per block where the output is chunked into gate and up, the output split on ``N``); an
+``x`` split on ``K`` makes it row-parallel (``w`` split on ``K``, the partial product
+converted at once or, through the ops linear in it, where the experts' outputs are
+combined per token: the planner weighs them). Both are exact: each
+output column, or the sum over ``K``, is what one device computes. An up GEMM reading
+the router's gathered hidden is therefore column-parallel, its activation local, and the
+down GEMM row-parallel (Megatron inside each expert); one reading a hidden shard is
+row-parallel and its down GEMM column-parallel (the fine-grained expert as a bottleneck,
+``docs/moe.md``). The expert weights are usually read through
+``w.transpose(-2, -1)``, which leaves them open (``views.open_weight_transpose``) so
+that this rule places them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ...ir.op_table import add_library_op, add_spelling
+from ...ir.ops import shape_of
+from ..placement import P, Placement, R, S
+from ..strategy import RuleContext, Strategy, Then, fallback, replicated
+from .matrix import fused_blocks
+from .registry import rule
+from .views import swaps_matrices
+
+KIND = "grouped_mm"
+add_spelling(KIND, *(f for f in (getattr(torch, "_grouped_mm", None),
+                                 getattr(F, "grouped_mm", None)) if f is not None))  # fmt: skip
+# transformers' float32 / CPU kernel, registered when its MoE integration is imported.
+add_library_op(KIND, "transformers::grouped_mm_fallback")
+
+_ROW, _COL = S(1), 2  # x's contracted dim; the weight's output dim (of [E, K, N])
+
+
+def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """``(x, w, offs)`` of a 2-D by 3-D grouped GEMM without bias; None for any other form."""
+    args, kw = node.args, node.kwargs
+    x = args[0] if args else kw.get("input", kw.get("mat_a"))
+    w = args[1] if len(args) > 1 else kw.get("weight", kw.get("mat_b"))
+    offs = args[2] if len(args) > 2 else kw.get("offs")
+    bias = args[3] if len(args) > 3 else kw.get("bias")
+    if not all(isinstance(a, fx.Node) for a in (x, w, offs)) or bias is not None:
+        return None
+    xs, ws = shape_of(x), shape_of(w)
+    if xs is None or ws is None or len(xs) != 2 or len(ws) != 3:
+        return None
+    return x, w, offs
+
+
+def _expert_weight(ctx: RuleContext, w: fx.Node) -> tuple[fx.Node, bool] | None:
+    """The parameter ``w`` reads, and whether through ``transpose(-2, -1)``; None otherwise."""
+    if ctx.is_param(w):
+        return w, False
+    if swaps_matrices(w) and ctx.is_param(w.args[0]):
+        return w.args[0], True
+    return None
+
+
+# always: the GEMM places its expert weights, whose inputs are replicated at first.
+@rule(KIND, always=True, reads_blocks=True)
+def grouped_mm(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
+    ops = _operands(node)
+    if ops is None:
+        return _whole(ctx, node)
+    x, w, offs = ops
+    if P in (ctx.peek(x), ctx.peek(w)):
+        return Strategy(out=R, whole=True)  # a pending sum, summed first
+    if ctx.placement(offs) != R or ctx.placement(x).blocks:
+        return fallback()
+    found = _expert_weight(ctx, w)
+    x_pl = ctx.placement(x)
+    if found is not None and ctx.is_open(found[0]):
+        if x_pl == _ROW:  # a hidden shard dispatched: the expert is a bottleneck
+            return _row_parallel(ctx, node, x, w, found)
+        return _column_parallel(ctx, node, x, w, found) if x_pl == R else fallback()
+    w_pl = ctx.placement(w)
+    if w_pl == S(1) or (w_pl == R and x_pl == _ROW):  # a whole weight: this rank's K rows
+        return _row_parallel(ctx, node, x, w, found)
+    if w_pl.is_shard and w_pl.dim == _COL:
+        return _column_parallel(ctx, node, x, w, found)
+    return replicated() if (w_pl, x_pl) == (R, R) else fallback()
+
+
+def _whole(ctx: RuleContext, node: fx.Node) -> Strategy:
+    """A form this rule does not split (a bias, other than 2-D by 3-D): on full values."""
+    sharded = any((pl := ctx.peek(a)) is not None and pl != R for a in node.all_input_nodes)
+    return fallback() if sharded else replicated()
+
+
+def _row_parallel(
+    ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, found: tuple[fx.Node, bool] | None
+) -> Strategy | list[Strategy]:
+    """``x`` and ``w`` split on ``K``: a partial ``[S, N]``, converted at once (all-reduced or
+    reduce-scattered) or left pending through the ops linear in it (``partial.py``: the
+    routing weights, the token order, the sum over the top-k), for the planner to weigh."""
+    s = Strategy(out=P).read(x, _ROW)
+    if not _take(ctx, s, w, found, S(1)):
+        return fallback()
+    pending = replace(s, label="pending")
+    reduced = replace(s, then=Then(R, "experts row-parallel"), label="all-reduce")
+    n = shape_of(node)[1]
+    if not isinstance(n, int) or n % ctx.p:
+        return [reduced, pending]
+    scattered = replace(s, then=Then(S(1), "experts row-parallel"), label="reduce-scatter")
+    return [reduced, scattered, pending]
+
+
+def _column_parallel(
+    ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, found: tuple[fx.Node, bool] | None
+) -> Strategy:
+    """``x`` whole and ``w`` split on ``N`` (per gate/up block): the output split on ``N``.
+
+    Where ``N`` does not divide, the experts run whole (exact, as before the split).
+    """
+    blocks = fused_blocks(ctx, node)
+    n = shape_of(w)[_COL]
+    if not blocks and (not isinstance(n, int) or n % ctx.p):
+        return replicated() if ctx.placement(x) == R else fallback()
+    s = Strategy(out=S(1, blocks)).read(x, R)
+    return s if _take(ctx, s, w, found, S(_COL, blocks)) else fallback()
+
+
+def _take(
+    ctx: RuleContext,
+    s: Strategy,
+    w: fx.Node,
+    found: tuple[fx.Node, bool] | None,
+    want: Placement,
+) -> bool:
+    """Read the weight operand as ``want``; fix its open parameter so (through the
+    transpose: ``K``/``N`` swap). A whole weight is sliced on a plain split (exact, its
+    gradient gathered back); False for anything else."""
+    if found is not None and ctx.is_open(found[0]):
+        param, swapped = found
+        dim = {1: 2, 2: 1}[want.dim] if swapped else want.dim
+        size = shape_of(param)[dim]
+        if not isinstance(size, int) or size % ctx.p:
+            return False
+        s.fix[param] = S(dim, want.blocks)
+        # The transpose was planned whole while its parameter was open: reading it as
+        # ``want`` here is a slice; the second walk plans the transpose of the shard.
+        s.read(w, want)
+        return True
+    got = ctx.placement(w)
+    if got == want:
+        return True
+    if got != R or want.blocks:
+        return False
+    s.read(w, want)
+    return True

@@ -1,0 +1,187 @@
+"""MoE experts in parallel (issue 30, item 2): what each rank computes of the routed experts.
+
+One training step of a zoo MoE family (:mod:`tests.zoo_checks`) at tp=``world``
+against an untouched single-device copy: the FLOPs of the GEMMs that ran (each
+``aten::mm``/``addmm``/``bmm`` the profiler recorded, priced by
+``torch.utils.flop_counter``'s formulas from its shapes), those inside the experts'
+grouped GEMMs apart (``transformers``' ``grouped_mm_fallback`` and its backward in the
+boost graph, ``torch._grouped_mm`` in the eager reference: both run one ``mm`` per
+expert); the loss, every gathered gradient and every gathered parameter after one SGD
+step; the experts' planned placements; the collectives gloo ran in the step (forward
+and backward). ``FlopCounterMode`` itself cannot watch a parallelized model: under a
+``TorchDispatchMode`` dynamo runs the forward frame uncompiled, and the placeholders
+refuse that (``UncompiledFrameError``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.utils import flop_counter
+
+from tests.mutation_checks import _gather, _rel
+from tests.zoo_checks import VOCAB, build
+
+# The experts' grouped GEMM kernels; the matmuls under them are expert FLOPs.
+EXPERT_OPS = frozenset({
+    "transformers::grouped_mm_fallback", "transformers::grouped_mm_fallback_backward",
+    "aten::_grouped_mm",
+})  # fmt: skip
+_FORMULAS = {"aten::mm": flop_counter.mm_flop, "aten::addmm": flop_counter.addmm_flop,
+             "aten::bmm": flop_counter.bmm_flop}  # fmt: skip
+
+
+def _in_experts(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in EXPERT_OPS:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _step(run: Any, ids: torch.Tensor) -> tuple[torch.Tensor, int, int, list]:
+    """One forward + backward: loss, expert GEMM FLOPs, all GEMM FLOPs, gloo collectives."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = run(ids, labels=ids.roll(1, dims=1), use_cache=False)
+        out.loss.backward()
+    experts = total = 0
+    ran = []
+    for e in prof.events():
+        if e.name.startswith("gloo:"):
+            ran.append((e.name, list(e.input_shapes[0]) if e.input_shapes else []))
+        if e.name in _FORMULAS:
+            flops = _FORMULAS[e.name](*e.input_shapes[: 3 if e.name == "aten::addmm" else 2])
+            total += flops
+            experts += flops if _in_experts(e) else 0
+    return out.loss.detach(), experts, total, ran
+
+
+def experts_step(family: str, *, world: int, mesh: Any, lr: float = 1e-3) -> dict[str, Any]:
+    """:func:`_step` of ``family`` at tp=``world`` and on one device, compared."""
+    import boost_compiler
+
+    model = build(family)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids, "use_cache": False})
+    plan = model.boost_plan
+    model(ids, labels=ids, use_cache=False).loss.backward()  # compiled here, not counted
+    model.zero_grad()
+    loss, experts, total, ran = _step(model, ids)
+    loss_ref, experts_ref, total_ref, _ = _step(ref, ids)
+    grad = max(
+        _rel(_gather(p.grad, plan.params[n], world), q.grad)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
+    )
+    for m in (model, ref):
+        torch.optim.SGD(m.parameters(), lr=lr).step()
+    param = max(
+        _rel(_gather(p.detach(), plan.params[n], world), q.detach())
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
+    )
+    layers = sum(".experts." in n for n in plan.params) // 2  # gate_up_proj, down_proj
+    return {
+        "loss": _rel(loss, loss_ref),
+        "grad": grad,
+        "param": param,
+        "fallbacks": list(plan.fallbacks),
+        "experts": {n: str(pl) for n, pl in plan.params.items() if ".experts." in n},
+        "expert_flops": experts,
+        "expert_flops_ref": experts_ref,
+        "expert_ratio": experts / experts_ref,
+        "gemm_ratio": total / total_ref,
+        "moe_layers": layers,
+        "step_collectives": ran,
+        "planned": _planned(plan),
+    }
+
+
+def _planned(plan: Any) -> list[list[Any]]:
+    """The plan's collectives, one entry per direction: [kind, shape, direction, reason]."""
+    return [
+        [c.kind, list(c.global_shape), direction, c.reason]
+        for c in plan.collectives
+        for direction, runs in (("forward", c.forward), ("backward", c.backward))
+        if runs
+    ]
+
+
+class ExpertsProbe(torch.nn.Module):
+    """A MoE block of the ``transformers`` kernel's form on a hidden shard, to reach both
+    splits of the grouped GEMM rule (``tp/rules/experts.py``).
+
+    ``routed``: a dense router reads the hidden, which the plan gathers; the dispatch
+    indexes that copy, so the up GEMM is column-parallel and the down GEMM row-parallel
+    (the zoo's plan). Without it the routing is fixed by the token ids and the dispatch
+    picks rows of the hidden shard: the up GEMM is row-parallel (its weight split on the
+    hidden), the down GEMM column-parallel (the fine-grained expert as a bottleneck).
+    """
+
+    D, R, E, INNER, K = 16, 8, 4, 8, 2
+
+    def __init__(self, routed: bool) -> None:
+        super().__init__()
+        d, e, i = self.D, self.E, self.INNER
+        self.emb = torch.nn.Embedding(VOCAB, d)
+        self.down = torch.nn.Linear(d, self.R, bias=False)
+        self.up = torch.nn.Linear(self.R, d, bias=False)
+        self.router = torch.nn.Linear(d, e, bias=False) if routed else None
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(e, 2 * i, d) / d**0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(e, d, i) / i**0.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        import transformers.integrations.moe  # noqa: F401 (registers grouped_mm_fallback)
+
+        grouped = torch.ops.transformers.grouped_mm_fallback
+        h = self.emb(ids)
+        h = h + self.up(torch.nn.functional.silu(self.down(h)))  # a hidden shard
+        x = h.reshape(-1, self.D)
+        if self.router is not None:
+            weights, picked = self.router(x).softmax(-1).topk(self.K, dim=-1)
+        else:
+            flat = ids.reshape(-1, 1)
+            picked = torch.cat([flat % self.E, (flat + 1) % self.E], dim=-1)
+            weights = torch.full(picked.shape, 0.5) + flat / (2 * VOCAB)
+        expert_ids, perm = torch.sort(picked.reshape(-1))
+        rows = x[perm // self.K]
+        counts = torch.histc(expert_ids.float(), bins=self.E, min=0, max=self.E - 1)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = grouped(rows, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, -1)
+        out = grouped(torch.nn.functional.silu(gate) * up, self.down_proj.transpose(-2, -1),
+                      offs=offs)  # fmt: skip
+        out = out * weights.reshape(-1)[perm].unsqueeze(-1)
+        out = out[torch.argsort(perm)].view(-1, self.K, self.D).sum(dim=1)
+        return h + out.view(h.shape)
+
+
+def experts_probe(routed: bool, *, world: int, mesh: Any) -> dict[str, Any]:
+    """:class:`ExpertsProbe` at tp=``world`` against one device: output, every gradient,
+    the experts' placements."""
+    import boost_compiler
+
+    torch.manual_seed(0)
+    model = ExpertsProbe(routed)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    boost_compiler.parallelize(model, mesh, (ids,))
+    plan = model.boost_plan
+    fixed = torch.randn(2, 8, ExpertsProbe.D, generator=torch.Generator().manual_seed(3))
+    out, out_ref = model(ids), ref(ids)
+    (out * fixed).sum().backward()
+    (out_ref * fixed).sum().backward()
+    grad = max(
+        _rel(_gather(p.grad, plan.params[n], world), q.grad)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
+    )
+    return {
+        "out": _rel(out.detach(), out_ref.detach()),
+        "grad": grad,
+        "fallbacks": list(plan.fallbacks),
+        "params": {n: str(pl) for n, pl in plan.params.items()},
+        "planned": _planned(plan),
+    }
