@@ -326,12 +326,7 @@ def from_state_dict(
     transformers builds its own class from ``model_type`` and loads ``state_dict`` into it,
     with the same strictness (``where`` names the source in errors).
     """
-    tf = _transformers()
-    values = dict(config)
-    model_type = values.pop("model_type", None)
-    if model_type not in tf.CONFIG_MAPPING:
-        raise HFFolderError(f"{where}: model_type {model_type!r} is not a transformers model type")
-    cfg = tf.CONFIG_MAPPING[model_type].from_dict(values)
+    cfg = _config_of(config, f"{where}: model_type")
     cls = causal_lm_class(cfg)
     if read_layout(cfg, where) is not None:
         cls = _low_rank_class(cls)
@@ -340,6 +335,17 @@ def from_state_dict(
         raise HFFolderError(f"from_state_dict fixes {', '.join(clash)}")
     kwargs = {**kwargs, "state_dict": dict(state_dict)}
     return _load(cls, None, cfg, strict, kwargs, where)
+
+
+def _config_of(config: Mapping[str, Any], what: str) -> Any:
+    """The transformers config a config dict describes (its ``model_type``'s class); a type
+    transformers does not define is an :class:`HFFolderError` starting with ``what``."""
+    tf = _transformers()
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    if model_type not in tf.CONFIG_MAPPING:
+        raise HFFolderError(f"{what} {model_type!r} is not a transformers model type")
+    return tf.CONFIG_MAPPING[model_type].from_dict(values)
 
 
 def _weights_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
@@ -359,14 +365,9 @@ def write_folder(
     and shapes (else :class:`HFFolderError` naming the first differences), so a folder
     that could not load is never written.
     """
-    tf = _transformers()
     from safetensors.torch import save_file
 
-    values = dict(config)
-    model_type = values.pop("model_type", None)
-    if model_type not in tf.CONFIG_MAPPING:
-        raise HFFolderError(f"config model_type {model_type!r} is not a transformers model type")
-    cfg = tf.CONFIG_MAPPING[model_type].from_dict(values)
+    cfg = _config_of(config, "config model_type")
     layout = read_layout(cfg, "the config")
     cfg.dtype = _weights_dtype(state_dict)
     cls = causal_lm_class(cfg)
@@ -391,7 +392,7 @@ def write_folder(
     tensors = {k: v.detach().contiguous().clone() for k, v in state_dict.items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     if model.can_generate():
-        tf.GenerationConfig.from_model_config(cfg).save_pretrained(str(folder))
+        _transformers().GenerationConfig.from_model_config(cfg).save_pretrained(str(folder))
     written = json.loads((folder / "config.json").read_text())
     if layout is not None and written.get(LOW_RANK_KEY) != layout:
         raise HFFolderError(f"{folder / 'config.json'}: {LOW_RANK_KEY} was not written as given")
