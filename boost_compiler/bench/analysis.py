@@ -12,6 +12,7 @@ import statistics
 from typing import Any
 
 from . import peers
+from .breakdown import summarise
 from .harness import DENSE, ModelSpec
 from .training import TP_SYSTEMS
 
@@ -176,7 +177,9 @@ def _row(system: str, res: dict[str, Any], size: str, tp: int) -> dict[str, Any]
     if system in TP_SYSTEMS:
         _check_comm(row, r, res, system, size, tp)
     row["top_self_cpu_us"] = r.get("profile", {}).get("top_self_cpu_us", [])
-    row["breakdown_ms"] = r.get("profile", {}).get("breakdown_ms", {})
+    ranks = [pr.get("sizes", {}).get(size, {}).get("breakdown") for pr in res.get("per_rank", [])]
+    if ranks and all(ranks):
+        row["breakdown"] = summarise(ranks)
     row["threads"] = r.get("threads")
     row["world"] = r.get("world")
     row["marks_us"] = r.get("profile", {}).get("marks_us", {})
@@ -233,6 +236,9 @@ def _compare_with_eager_and_boost(rows: dict[str, dict[str, Any]]) -> None:
             continue
         if single is not None:
             row["efficiency"] = single / ((row.get("world") or 1) * row["step_s"])
+        one = rows.get("inductor", {}).get("breakdown")
+        if one and "breakdown" in row:  # the busiest rank's GEMM time over one process's
+            row["gemm_vs_single"] = row["breakdown"]["max"]["GEMM"] / one["max"]["GEMM"]
         if eager and system not in DENSE:
             n = min(len(eager), len(row["losses"]))
             row["loss_vs_eager"] = max(

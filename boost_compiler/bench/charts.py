@@ -31,6 +31,8 @@ def plots(summary: dict[str, dict[str, Any]], gemm: list[dict[str, Any]], out: P
         files.append(_save(plt, _comm_chart(plt, summary), out / "comm_per_step.png"))
     if any("step_s" in r for rows in summary.values() for r in rows.values()):
         files.append(_save(plt, _step_time_chart(plt, summary), out / "step_time.png"))
+    if any("breakdown" in r for rows in summary.values() for r in rows.values()):
+        files.append(_save(plt, _breakdown_chart(plt, summary), out / "step_breakdown.png"))
     if gemm:
         files.append(_save(plt, _gemm_chart(plt, gemm), out / "gemm.png"))
     return files
@@ -81,6 +83,33 @@ def _step_time_chart(plt: Any, summary: dict[str, dict[str, Any]]) -> Any:
         ax.set_ylabel("median step time (ms), lower is better")
         ax.tick_params(axis="x", labelsize=7, rotation=15)
     fig.suptitle("Training step time (fwd+bwd+AdamW), compiled")
+    return fig
+
+
+def _breakdown_chart(plt: Any, summary: dict[str, dict[str, Any]]) -> Any:
+    """Per size: each system's step on each rank as stacked parts (ms), the timed step marked."""
+    from .breakdown import PARTS
+
+    sizes = list(summary)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        bars = [
+            (f"{s}\nrank {k}" if len(r["breakdown"]["ranks"]) > 1 else s, b)
+            for s in SYSTEMS if (r := summary[size].get(s, {})).get("breakdown")
+            for k, b in enumerate(r["breakdown"]["ranks"])
+        ]  # fmt: skip
+        bottom = [0.0] * len(bars)
+        for part in PARTS:
+            vals = [b[part] for _, b in bars]
+            ax.bar([n for n, _ in bars], vals, bottom=bottom, label=part)
+            bottom = [x + v for x, v in zip(bottom, vals, strict=True)]
+        ax.scatter([n for n, _ in bars], [b["timed_ms"] for _, b in bars], marker="_", s=600,
+                   color="black", label="timed step (median)", zorder=3)  # fmt: skip
+        ax.set_title(f"{size}: {size_label(size)}", fontsize=8)
+        ax.set_ylabel("ms per step")
+        ax.tick_params(axis="x", labelsize=6, rotation=30)
+        ax.legend(fontsize=6)
+    fig.suptitle("Where a step's time goes, per rank")
     return fig
 
 

@@ -120,6 +120,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="threads of the 1-process systems (default: one TP rank's share, cores/tp)",
     )
     p.add_argument("--gemm-threads", type=int, default=1, help="threads of the GEMM microbench")
+    p.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split each rank's step into GEMM, other compute, exposed communication, "
+        "optimizer and overhead, from 3 more profiled steps (bench/breakdown.py)",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
     p.add_argument(
         "--timeout", type=float, default=3600, help="seconds per group (all sizes) before kill"
@@ -252,7 +259,8 @@ def _run_systems(
         with console.status(f"{', '.join(members)} ({world} process(es)): {', '.join(sizes)} ..."):
             res = spawn(
                 "boost_compiler.bench.training:run_group", world,
-                {"systems": members, "specs": specs, "steps": args.steps, "warmup": args.warmup},
+                {"systems": members, "specs": specs, "steps": args.steps, "warmup": args.warmup,
+                 "breakdown_steps": 3 if args.breakdown else 0},
                 timeout_s=args.timeout, threads=threads, tag=tag, log_dir=out / "logs",
             )  # fmt: skip
         results.update(split_group(res, members))

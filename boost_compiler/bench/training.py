@@ -13,17 +13,22 @@ compiles); then ``steps`` timed rounds run every system once, in rotating order,
 in the machine's background load hits them all alike. Each timed step starts after a
 barrier (tensor-parallel systems) so the ranks start together; a step's time is the slowest
 rank's ``forward + backward + optimizer`` wall time (CPU: synchronous). One more step of
-each system runs under ``torch.profiler``: its collectives, where its time goes, and its
-memory (:func:`memory_of_step`).
+each system runs under ``torch.profiler`` with shapes and memory: its collectives, its
+heaviest ops and its memory (:func:`memory_of_step`); then ``breakdown_steps`` more under a
+light profiler split each rank's step into parts that add up to it (:mod:`.breakdown`).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
+from . import breakdown
+from .breakdown import OPTIMIZER_MARK
 from .harness import (
     BACKWARD_MARK,
     NOSP,
@@ -125,7 +130,6 @@ def _profiled_step(
     events = prof.events()
     span = [e for e in events if e.name.startswith(("bench::", "gloo:", "nccl:"))]
     out["marks_us"] = {e.name: e.cpu_time_total for e in span if e.name.startswith("bench::")}
-    out["breakdown_ms"] = breakdown(prof.key_averages())
     # self CPU time by op (the profile of the step), heaviest first
     top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:25]
     out["top_self_cpu_us"] = [
@@ -148,34 +152,6 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         {"params": [p for p in params if not isinstance(p, DTensor)]},
     ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, fused=True)
-
-
-CATEGORIES = (
-    ("collectives", ("wait_tensor", "c10d::", "_c10d_functional::", "record_param_comms")),
-    ("GEMM", ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul")),
-    ("attention", ("scaled_dot_product",)),
-    ("optimizer", ("_fused_adamw", "_fused_adam", "Optimizer.")),
-    ("Inductor kernels", ("## Call CompiledFxGraph",)),
-)
-
-
-def breakdown(averages: Any) -> dict[str, float]:
-    """Self CPU time (ms) of one profiled step by category, from ``prof.key_averages()``.
-
-    The backend's own ``gloo:*`` / ``nccl:*`` events run on its worker threads, overlapping
-    the main thread's wait on them ("collectives" counts the issue and the wait): left out.
-    "Inductor kernels": time inside a compiled graph not spent in an ATen op (its fused C++
-    kernels); "other": everything else (Python, dispatch, DTensor, autograd, copies).
-    """
-    out = {name: 0.0 for name, _ in CATEGORIES}
-    out["other"] = 0.0
-    for a in averages:
-        if a.key.startswith(("gloo:", "nccl:", "bench::")):
-            continue
-        cat = next((n for n, keys in CATEGORIES if any(k in a.key for k in keys)), "other")
-        out[cat] += a.self_cpu_time_total / 1e3
-    out["total"] = sum(out.values())
-    return out
 
 
 def _cache_counts(counters: Any) -> dict[str, int]:
@@ -211,6 +187,7 @@ def run_group(
     warmup: int,
     lr: float = 1e-3,
     profile: bool = True,
+    breakdown_steps: int = 3,
 ) -> dict[str, Any]:
     """Every size in turn; at each, ``systems`` set up side by side and timed interleaved.
 
@@ -225,7 +202,7 @@ def run_group(
         out[name] = _time_interleaved(systems, ModelSpec(**spec), world, mesh, steps, warmup, lr)
         for system, sysrun in list(out[name].items()):
             if isinstance(sysrun, _System):
-                out[name][system] = sysrun.finish(profile)
+                out[name][system] = sysrun.finish(profile, breakdown_steps)
                 # the process's RSS high-water mark so far (Linux: KiB), every system and
                 # size of this group included: context for the JSON, not a per-system figure
                 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -276,14 +253,30 @@ class _System:
             t_b = time.perf_counter()
             loss.backward()
         t_c = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        with record_function(OPTIMIZER_MARK):  # the breakdown's optimizer part
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
         t_d = time.perf_counter()
         self.losses.append(scalar(loss))
         if record:
             self.times.append([t_b - t_a, t_c - t_b, t_d - t_c, t_d - t_a])
 
-    def finish(self, profile: bool) -> dict[str, Any]:
+    def _breakdown(self, n: int, timed_step_s: float) -> dict[str, Any]:
+        """This rank's step split into parts (:mod:`.breakdown`), from ``n`` profiled steps."""
+
+        def run_step(i: int) -> None:
+            self.step(i, record=False)
+
+        def barrier() -> None:  # each step's range opens with the ranks together
+            if self.world > 1:
+                import torch.distributed as dist
+
+                dist.barrier()
+
+        steps = breakdown.profile_steps(run_step, len(self.losses), n, before=barrier)
+        return breakdown.median_step(steps, timed_step_s)
+
+    def finish(self, profile: bool, breakdown_steps: int = 0) -> dict[str, Any]:
         out = self.out
         t = torch.tensor(self.times, dtype=torch.float64)
         if self.world > 1:  # the step time is the slowest rank's
@@ -293,6 +286,9 @@ class _System:
             dist.all_gather(parts, t)
             t = torch.stack(parts).amax(dim=0)
         out["step_times"] = t.tolist()
+        if breakdown_steps:
+            timed = statistics.median(t[:, 3].tolist())  # as analysis.py reports it
+            out["breakdown"] = self._breakdown(breakdown_steps, timed)
         if profile:
             ids = self.batches[len(self.losses) % N_BATCHES]
             prof = _profiled_step(self.system, self.run, self.model, self.opt, ids, self.world)

@@ -1,0 +1,147 @@
+"""Where a training step's time goes, per rank: parts that add up to the step.
+
+A few steps run under ``torch.profiler`` (CPU activity only: no shapes, stacks or memory,
+so the profiled step stays within a few percent of the timed ones). Each step is the
+``bench::step`` range on the rank's main thread; every profiler event on that thread inside
+it contributes its *self* time (its own time, children excluded) to one part:
+
+``GEMM``           ``aten::mm`` / ``bmm`` / ``addmm`` / ``baddbmm`` / ``_grouped_mm``.
+``other compute``  every other ATen op, attention included, and the fused C++ kernels of
+                   compiled graphs (``## Call CompiledFxGraph``'s self time: they run
+                   inside it and record no event of their own).
+``exposed comm``   the time the main thread spends inside collectives: issuing them and
+                   waiting in ``wait_tensor`` / ``c10d::*``. The backend's own work on its
+                   worker threads (gloo's ``gloo:*`` events) is not on this thread: what is
+                   counted is only what the step could not overlap. Compiled graphs and
+                   DTensor issue functional collectives, whose wait is an op
+                   (``wait_tensor``); an eager ``dist.all_reduce``'s ``Work.wait()`` is not
+                   one and would land in overhead.
+``optimizer``      the whole ``bench::optimizer`` range (``opt.step`` + ``zero_grad``).
+``overhead``       the rest of the step: Python, dynamo's guards, dispatch, autograd's
+                   engine, DTensor's sharding propagation, the wrappers' own time.
+
+Overhead is the remainder, so the parts of a profiled step sum to its wall time exactly;
+what can disagree is the profiled step and the timed ones (profiler cost), reported as
+``profiled_vs_timed``. The step whose wall time is the median of the profiled ones is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+PARTS = ("GEMM", "other compute", "exposed comm", "optimizer", "overhead")
+STEP_MARK = "bench::step"
+OPTIMIZER_MARK = "bench::optimizer"
+GEMM_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_grouped_mm"})
+COMM_PREFIXES = ("_c10d_functional::", "c10d::", "c10d_functional::", "record_param_comms")
+COMM_NAMES = frozenset({"_c10d_functional::wait_tensor", "aten::wait_tensor"})
+# compiled graphs: their fused kernels run inside this event and record none of their own
+INDUCTOR_CALL = "## Call CompiledFxGraph"
+
+
+def classify(name: str) -> str:
+    """The part an event's self time belongs to (outside the optimizer range)."""
+    if name in GEMM_OPS:
+        return "GEMM"
+    if name in COMM_NAMES or name.startswith(COMM_PREFIXES):
+        return "exposed comm"
+    if name.startswith(("aten::", INDUCTOR_CALL)):
+        return "other compute"
+    return "overhead"
+
+
+def split_step(step: Any, events: list[Any]) -> dict[str, float]:
+    """One ``bench::step`` event's wall time (ms) split into :data:`PARTS`.
+
+    ``events``: the profiler's events on the step's thread inside its range. Events under
+    ``bench::optimizer`` count as the optimizer's whole range, not individually.
+    """
+    start, end = step.time_range.start, step.time_range.end
+    parts = dict.fromkeys(PARTS, 0.0)
+    opt_ranges = [
+        (e.time_range.start, e.time_range.end) for e in events if e.name == OPTIMIZER_MARK
+    ]
+    for s, t in opt_ranges:
+        parts["optimizer"] += (t - s) / 1e3
+    for e in events:
+        if e is step or e.name in (STEP_MARK, OPTIMIZER_MARK):
+            continue
+        if any(s <= e.time_range.start and e.time_range.end <= t for s, t in opt_ranges):
+            continue
+        part = classify(e.name)
+        if part != "overhead":
+            parts[part] += e.self_cpu_time_total / 1e3
+    wall = (end - start) / 1e3
+    parts["overhead"] = wall - sum(v for k, v in parts.items() if k != "overhead")
+    return {"wall_ms": wall, **parts}
+
+
+def steps_of(prof: Any) -> list[dict[str, float]]:
+    """Every ``bench::step`` of a finished profile, split (in the order they ran)."""
+    events = list(prof.events())
+    out = []
+    for step in (e for e in events if e.name == STEP_MARK):
+        inside = [
+            e for e in events
+            if e.thread == step.thread
+            and step.time_range.start <= e.time_range.start
+            and e.time_range.end <= step.time_range.end
+        ]  # fmt: skip
+        out.append(split_step(step, inside))
+    return out
+
+
+def profile_steps(
+    run_step: Callable[[int], None], first: int, n: int, before: Callable[[], None] | None = None
+) -> list[dict[str, float]]:
+    """Run ``run_step(first + i)`` for ``i < n`` under the profiler, each in a step range.
+
+    ``run_step`` opens ``bench::optimizer`` around its optimizer call; ``before`` (a
+    barrier of the ranks) runs before each step's range opens, outside it.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(n):
+            if before is not None:
+                before()
+            with record_function(STEP_MARK):
+                run_step(first + i)
+    return steps_of(prof)
+
+
+def median_step(steps: list[dict[str, float]], timed_step_s: float) -> dict[str, Any]:
+    """The profiled step of median wall time, beside the timed median (``timed_ms``)."""
+    ordered = sorted(steps, key=lambda s: s["wall_ms"])
+    mid = dict(ordered[(len(ordered) - 1) // 2])
+    timed = timed_step_s * 1e3
+    mid["timed_ms"] = timed
+    mid["profiled_vs_timed"] = mid["wall_ms"] / timed if timed else None
+    mid["profiled_steps"] = len(steps)
+    mid["profiled_wall_ms"] = [s["wall_ms"] for s in steps]
+    return mid
+
+
+def summarise(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' breakdowns side by side, with each part's slowest rank."""
+    worst = {p: max(r[p] for r in ranks) for p in (*PARTS, "wall_ms")}
+    return {"ranks": ranks, "max": worst, "spread_ms": _spread(ranks)}
+
+
+def _spread(ranks: list[dict[str, Any]]) -> float:
+    walls = [r["wall_ms"] for r in ranks]
+    return max(walls) - min(walls) if walls else 0.0
+
+
+def within(parts: dict[str, Any], tolerance: float = 0.05) -> bool:
+    """Do the parts of a profiled step account for the timed step within ``tolerance``?"""
+    total = sum(parts[p] for p in PARTS)
+    timed = parts.get("timed_ms") or 0.0
+    return bool(timed) and abs(total - timed) <= tolerance * timed
+
+
+__all__ = [
+    "PARTS", "classify", "median_step", "profile_steps", "split_step", "steps_of",
+    "summarise", "within",
+]  # fmt: skip

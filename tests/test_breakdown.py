@@ -1,0 +1,83 @@
+"""The benchmark's step breakdown: parts that add up, each measuring what its name says."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch.profiler import record_function
+
+from boost_compiler.bench import breakdown
+from boost_compiler.bench.harness import spawn
+
+
+def _step(sleep_s: float, comm: Any = None) -> Any:
+    """A step of known parts: GEMMs, an elementwise op, a Python sleep, a marked optimizer."""
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def run(i: int) -> None:
+        for _ in range(20):
+            c = a @ b
+        torch.relu(c)
+        if comm is not None:
+            comm()
+        time.sleep(sleep_s)  # Python time outside any op: overhead
+        with record_function(breakdown.OPTIMIZER_MARK):
+            time.sleep(sleep_s)
+
+    return run
+
+
+def test_parts_add_up_and_name_what_they_measure() -> None:
+    steps = breakdown.profile_steps(_step(0.02), 0, 3)
+    assert len(steps) == 3
+    for s in steps:
+        assert sum(s[p] for p in breakdown.PARTS) == pytest.approx(s["wall_ms"], rel=1e-9)
+        assert s["GEMM"] > 0 and s["other compute"] > 0
+        assert s["exposed comm"] == 0
+        assert s["optimizer"] >= 20 and s["overhead"] >= 20
+        assert s["GEMM"] > s["other compute"]  # 20 GEMMs against one relu
+    mid = breakdown.median_step(steps, timed_step_s=steps[1]["wall_ms"] / 1e3)
+    assert mid["wall_ms"] == sorted(s["wall_ms"] for s in steps)[1]
+    assert breakdown.within(mid, 0.05)
+    assert not breakdown.within({**mid, "timed_ms": mid["wall_ms"] * 2})
+
+
+def test_classify() -> None:
+    assert breakdown.classify("aten::mm") == "GEMM"
+    assert breakdown.classify("aten::_grouped_mm") == "GEMM"
+    assert breakdown.classify("_c10d_functional::wait_tensor") == "exposed comm"
+    assert breakdown.classify("c10d::allreduce_") == "exposed comm"
+    assert breakdown.classify("## Call CompiledFxGraph fabc") == "other compute"
+    assert breakdown.classify("aten::_scaled_dot_product_flash_attention_for_cpu") == (
+        "other compute"
+    )
+    assert breakdown.classify("TorchDynamo Cache Lookup") == "overhead"
+
+
+def skewed(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
+    """Spawned: rank 1 reaches the all-reduce 60 ms late; rank 0 waits for it in the step."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    def comm() -> None:  # the functional collectives compiled graphs and DTensor issue
+        if rank == 1:
+            time.sleep(0.06)
+        funcol.all_reduce(torch.ones(1024), "sum", mesh).wait()
+
+    steps = breakdown.profile_steps(_step(0.0, comm), 0, 3, before=dist.barrier)
+    return {"steps": steps}
+
+
+def test_exposed_comm_is_the_wait_on_every_rank() -> None:
+    res = spawn("tests.test_breakdown:skewed", 2, {}, timeout_s=120, tag="test")
+    assert "error" not in res, res.get("traceback")
+    for pr in res["per_rank"]:
+        for s in pr["steps"]:
+            assert sum(s[p] for p in breakdown.PARTS) == pytest.approx(s["wall_ms"], rel=1e-9)
+            if pr["rank"] == 0:  # waited for rank 1's late arrival, inside the collective
+                assert s["exposed comm"] >= 50, s
+            else:  # slept in Python (overhead), then found rank 0 already waiting
+                assert s["overhead"] >= 55 and s["exposed comm"] < 30, s
