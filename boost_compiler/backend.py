@@ -22,10 +22,12 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from . import lowering
 from ._logging import get_logger
 from .errors import ShardingError
 from .ir.capture import placeholder_names
 from .ir.dump import GraphDumper
+from .lowering import poll_waits
 from .options import BoostOptions
 from .passes import TP_REQUIRED, BoostPass, PassContext
 from .passes.base import _digest
@@ -37,20 +39,24 @@ from .tp.plan import input_shapes, predicted_bytes
 log = get_logger(__name__)
 
 
-class _PipelineFingerprint(CustomGraphPass):
-    """A no-op Inductor pass whose uuid is the boost pipeline's.
+class _PostGrad(CustomGraphPass):
+    """The boost passes over Inductor's post-grad graphs, its uuid the whole pipeline's.
 
-    The dynamo-graph passes run before Inductor sees the graph, so a changed
-    graph already changes the cache key; metadata-only changes do not. This
-    pass, registered as ``post_grad_custom_post_pass``, folds every boost pass's
-    uuid into Inductor's and AOTAutograd's cache keys.
+    Registered as ``post_grad_custom_post_pass``, it runs on the forward and the backward
+    graph (:mod:`.lowering`: polled collective waits). The dynamo-graph passes run before
+    Inductor sees the graph, so a changed graph already changes the cache key;
+    metadata-only changes do not: every boost pass's uuid is folded into Inductor's and
+    AOTAutograd's cache keys here, with the post-grad settings.
     """
 
-    def __init__(self, uuids: Sequence[str], inner: Any = None) -> None:
-        self.uuids = tuple(uuids)
+    def __init__(self, uuids: Sequence[str], wait: str, inner: Any = None) -> None:
+        self.uuids = (*uuids, f"collective_wait={wait}", lowering.SOURCE_DIGEST)
+        self.wait = wait
         self.inner = inner  # a user's own post_grad_custom_post_pass, kept working
 
     def __call__(self, graph: fx.Graph) -> None:
+        polled = poll_waits(graph, self.wait)
+        counters["boost"]["polled_collectives"] += polled
         if self.inner is not None:
             self.inner(graph)
 
@@ -201,7 +207,9 @@ def _lower_with_inductor(
     user_pass = patches.get(
         "post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass
     )
-    patches["post_grad_custom_post_pass"] = _PipelineFingerprint([p.uuid() for p in ran], user_pass)
+    patches["post_grad_custom_post_pass"] = _PostGrad(
+        [p.uuid() for p in ran], opts.settings["collective_wait"], user_pass
+    )
     # Inductor config must travel as config_patches: a `with config.patch()`
     # around compile_fx would miss the lazily compiled backward graph.
     return compile_fx(gm, example_inputs, config_patches=patches)

@@ -35,6 +35,14 @@ SETTINGS: dict[str, Setting] = {
         "parallelized models: ranks compile one after another, reusing each other's kernels "
         "from a shared Inductor cache (for ranks sharing CPU cores; $BOOST_COMPILE_IN_TURNS=1)",
     ),
+    "collective_wait": Setting(
+        (str,),
+        "auto",
+        "how a rank waits for a collective in compiled graphs: 'poll' (yielding the core "
+        "between checks: a sleeping core's wake-up costs more than a small transfer), "
+        "'block' (torch's wait_tensor), 'auto' (poll on gloo groups)",
+        choices=("auto", "poll", "block"),
+    ),
     "dump_dir": Setting(
         (str,),
         None,
