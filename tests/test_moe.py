@@ -47,6 +47,7 @@ def world() -> dict:
     checks = [(f, "tests.moe_checks:experts_step", (f,)) for f in MOE]
     checks += [(f"probe/{k}", "tests.moe_checks:experts_probe", (k == "routed",)) for k in PROBES]
     checks += [("bf16", "tests.moe_checks:experts_bf16_step", ())]
+    checks += [("factored", "tests.moe_lowrank_checks:factored_step", (CI, "cola"))]
     return run_world(2, checks, slow=[f for f in MOE if f != CI])
 
 
@@ -143,3 +144,26 @@ def test_bf16_experts_parallelize_and_train(world: dict) -> None:
             bound = BF16_U if name.startswith("loss") else BF16_NOISE * noise
             assert err <= bound, (name, err, bound, one[name])
     assert set(res["experts"].values()) == {"S(1, blocks=[32, 32])", "S(2)"}, res["experts"]
+
+
+# to_low_rank(experts=True) at rank 16 per expert (tests.moe_lowrank_checks): each pair's
+# down factor column-parallel on its rank, its up factor row-parallel on the rank.
+FACTORED = {"gate_up_proj_down": "S(1)", "gate_up_proj_up": "S(2)",
+            "down_proj_down": "S(1)", "down_proj_up": "S(2)"}  # fmt: skip
+
+
+def test_factored_experts_split_exactly(world: dict) -> None:
+    """Routed experts factored per expert (CoLA, SiLU between the factors): one step at
+    tp=2 against one device, exact on every rank (loss, every gathered gradient, every
+    gathered parameter after SGD), no fallback, every factor split."""
+    res = result_of(world, "factored")
+    for rank in ranks(res):
+        assert rank["loss"] <= RTOL and rank["grad"] <= RTOL and rank["param"] <= RTOL, rank
+        assert rank["fallbacks"] == [], rank["fallbacks"]
+        assert len(rank["expert_grads"]) == 8, rank["expert_grads"]
+    for name, pl in res["experts"].items():
+        assert pl == FACTORED[name.rpartition(".")[2]], (name, pl)
+    # Megatron's split per pair (docs/moe.md): the up factors' partial [N k, 2I] rows are
+    # all-reduced, the down pair's reduce-scattered at the residual after the top-k sum.
+    planned = res["planned"]
+    assert planned.count(["all_reduce", [N * K, H], "forward", "experts row-parallel"]) == 2
