@@ -146,16 +146,20 @@ def test_bf16_experts_parallelize_and_train(world: dict) -> None:
     assert set(res["experts"].values()) == {"S(1, blocks=[32, 32])", "S(2)"}, res["experts"]
 
 
-# to_low_rank(experts=True) at rank 16 per expert (tests.moe_lowrank_checks): each pair's
-# down factor column-parallel on its rank, its up factor row-parallel on the rank.
-FACTORED = {"gate_up_proj_down": "S(1)", "gate_up_proj_up": "S(2)",
-            "down_proj_down": "S(1)", "down_proj_up": "S(2)"}  # fmt: skip
+# to_low_rank(experts=True) at rank 16 per expert (tests.moe_lowrank_checks), split the
+# BTP way: each pair's down factor row-parallel (the gathered rows sliced on H, the
+# intermediate on I), its up factor column-parallel (gate/up per block; down on H).
+FACTORED = {"gate_up_proj_down": "S(2)", "gate_up_proj_up": "S(1, blocks=[32, 32])",
+            "down_proj_down": "S(2)", "down_proj_up": "S(1)"}  # fmt: skip
+RANK = 16
 
 
 def test_factored_experts_split_exactly(world: dict) -> None:
     """Routed experts factored per expert (CoLA, SiLU between the factors): one step at
     tp=2 against one device, exact on every rank (loss, every gathered gradient, every
-    gathered parameter after SGD), no fallback, every factor split."""
+    gathered parameter after SGD), no fallback, every factor split; forward, each MoE
+    layer all-reduces only its two ``[N k, r]`` latents (besides the router's gather):
+    no ``[N k, 2I]`` or ``[N k, H]`` rows, no reduce-scatter at the residual."""
     res = result_of(world, "factored")
     for rank in ranks(res):
         assert rank["loss"] <= RTOL and rank["grad"] <= RTOL and rank["param"] <= RTOL, rank
@@ -163,7 +167,8 @@ def test_factored_experts_split_exactly(world: dict) -> None:
         assert len(rank["expert_grads"]) == 8, rank["expert_grads"]
     for name, pl in res["experts"].items():
         assert pl == FACTORED[name.rpartition(".")[2]], (name, pl)
-    # Megatron's split per pair (docs/moe.md): the up factors' partial [N k, 2I] rows are
-    # all-reduced, the down pair's reduce-scattered at the residual after the top-k sum.
-    planned = res["planned"]
-    assert planned.count(["all_reduce", [N * K, H], "forward", "experts row-parallel"]) == 2
+    forward = [c for c in res["planned"] if c[2] == "forward"]
+    latents = [c for c in forward if c[:2] == ["all_reduce", [N * K, RANK]]]
+    assert len(latents) == 2 * 2, forward  # two pairs in each of the two MoE layers
+    assert not [c for c in forward if c[1] in ([N * K, H], [2, 16, H]) and
+                c[0] in ("all_reduce", "reduce_scatter")], forward  # fmt: skip
