@@ -324,6 +324,7 @@ def to_low_rank(
     include: str | Sequence[str] | None = None,
     exclude: str | Sequence[str] | None = None,
     multiple_of: int = 1,
+    experts: bool = False,
 ) -> ConversionReport:
     """Replace ``model``'s dense projections by :class:`LowRankLinear` bottlenecks, in place.
 
@@ -333,7 +334,9 @@ def to_low_rank(
     a layer where that is 0 stays dense. ``include``/``exclude`` are ``fnmatch`` patterns
     over module names; a pattern also matches a module's descendants (``"*.mlp"`` selects
     every projection inside each MLP). Converted: ``nn.Linear`` and Hugging Face's
-    ``Conv1D``. Example::
+    ``Conv1D``; with ``experts=True`` also ``transformers``' routed MoE experts, each
+    expert's two matrices factored at a rank per expert
+    (:mod:`boost_compiler.convert_experts`). Example::
 
         import rich, torch, boost_compiler
         from torch import nn
@@ -354,11 +357,12 @@ def to_low_rank(
     kinds = (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
     modules = dict(model.named_modules())
     candidates = {n: m for n, m in modules.items() if n and isinstance(m, kinds)}
-    _check_patterns(model, modules, candidates, inc, exc)
+    routed = _routed_experts(modules) if experts else {}
+    _check_patterns(model, modules, {**candidates, **routed}, inc, exc)
 
     report = ConversionReport(method=method, model_params_before=_param_count(model))
     heads = _heads(model, candidates, conv1d)
-    plan: list[tuple[str, nn.Module, int]] = []
+    plan: list[tuple[str, nn.Module, Any]] = []
     for name, mod in candidates.items():
         if inc and not _covered(name, inc):
             continue
@@ -384,12 +388,21 @@ def to_low_rank(
             raise ConversionError(f"method='svd' needs the values of '{name}'s weight (on meta)")
         plan.append((name, mod, r))
 
+    if routed:
+        from .convert_experts import plan_experts
+
+        plan += plan_experts(routed, inc, exc, rank, rank_ratio, multiple_of, method, report)
     # Every check ran above: the model is only modified from here on.
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for _, pmod in model.named_modules(remove_duplicate=False):
         for cname, child in pmod.named_children():
             owners.setdefault(id(child), []).append((pmod, cname))
     for name, mod, r in plan:
+        if isinstance(r, tuple):  # routed experts: a rank per expert for each projection
+            from .convert_experts import convert_experts
+
+            report.layers += convert_experts(name, mod, r, method, owners[id(mod)])
+            continue
         report.layers.append(_convert_one(name, mod, r, method, conv1d, owners[id(mod)]))
     report.model_params_after = _param_count(model)
     log.info(
@@ -400,6 +413,12 @@ def to_low_rank(
         f"{report.model_params_after:,}",
     )
     return report
+
+
+def _routed_experts(modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    from .convert_experts import is_routed_experts
+
+    return {n: m for n, m in modules.items() if n and is_routed_experts(m)}
 
 
 def _check_arguments(method: str, rank: int | None, rank_ratio: float, multiple_of: int) -> None:
@@ -433,7 +452,8 @@ def _check_patterns(
             what = ", ".join(f"'{n}' ({type(modules[n]).__name__})" for n in hit[:5])
             raise UnsupportedModuleError(
                 f"include pattern {pat!r} matches only modules to_low_rank cannot convert: "
-                f"{what}; it converts nn.Linear and transformers' Conv1D"
+                f"{what}; it converts nn.Linear and transformers' Conv1D (and, with experts=True, "
+                "transformers' routed MoE experts)"
             )
     for pat in exclude:
         if not any(n and _covered(n, [pat]) for n in modules):

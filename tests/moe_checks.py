@@ -185,3 +185,72 @@ def experts_probe(routed: bool, *, world: int, mesh: Any) -> dict[str, Any]:
         "params": {n: str(pl) for n, pl in plan.params.items()},
         "planned": _planned(plan),
     }
+
+
+# bf16's unit roundoff: one rounding moves a value by up to 2^-8 of itself.
+BF16_U = 2.0**-8
+
+
+def _routing(out: Any, k: int) -> list[list[list[int]]]:
+    """Each MoE layer's chosen experts per token, as sets (sorted): order within the top-k
+    is a near-tie the combine does not see."""
+    return [lg.float().topk(k, dim=-1).indices.sort(-1).values.tolist() for lg in out.router_logits]
+
+
+def _margin(out: Any, k: int) -> float:
+    """The smallest gap between a token's k-th and (k+1)-th router logit, over all layers."""
+    gaps = [lg.float().topk(k + 1, dim=-1).values for lg in out.router_logits]
+    return min(float((v[:, k - 1] - v[:, k]).min()) for v in gaps)
+
+
+def experts_bf16_step(*, world: int, mesh: Any, family: str = "qwen3_moe") -> dict[str, Any]:
+    """One bf16 forward + backward at tp=``world`` against one device in bf16 and in fp32.
+
+    Returned, per compared quantity (logits, loss, every gathered gradient, the loss after
+    one SGD step): its error against fp32 at tp=``world`` (``tp``) and on one device in
+    bf16 (``one``), and each
+    MoE layer's routing in all three runs. The batch is the one of 8 whose smallest
+    top-k router margin (fp32) is largest: bf16 moves the router's input by about 1e-2
+    of itself, and a near-tie routed differently moves an expert's gradient by O(1).
+    """
+    import boost_compiler
+
+    model32 = build(family)
+    k = model32.config.num_experts_per_tok
+    kw = {"use_cache": False, "output_router_logits": True}
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(s))
+               for s in range(1, 9)]  # fmt: skip
+    with torch.no_grad():
+        ids = max(batches, key=lambda b: _margin(model32(b, **kw), k))
+    kw["labels"] = ids.roll(1, dims=1)
+    one = copy.deepcopy(model32).to(torch.bfloat16)
+    model = copy.deepcopy(one)
+    boost_compiler.parallelize(model, mesh, (ids,), kw)
+    plan = model.boost_plan
+    outs = {name: m(ids, **kw) for name, m in (("tp", model), ("one", one), ("fp32", model32))}
+    for out in outs.values():
+        out.loss.backward()
+    ref = outs["fp32"]
+    errs: dict[str, dict[str, float]] = {"tp": {}, "one": {}}
+    for run in ("tp", "one"):
+        errs[run]["logits"] = _rel(outs[run].logits.float(), ref.logits)
+        errs[run]["loss"] = _rel(outs[run].loss.float(), ref.loss)
+    for (n, p), q, q32 in zip(model.named_parameters(), one.parameters(), model32.parameters(),
+                              strict=True):  # fmt: skip
+        errs["tp"][n] = _rel(_gather(p.grad, plan.params[n], world).float(), q32.grad)
+        errs["one"][n] = _rel(q.grad.float(), q32.grad)
+    routing = {name: _routing(out, k) for name, out in outs.items()}
+    # One SGD step each, then the loss again: the parallel model trains on its shards.
+    for m in (model, one, model32):
+        torch.optim.SGD(m.parameters(), lr=1e-2).step()
+    after = {name: m(ids, **kw).loss.float() for name, m in
+             (("tp", model), ("one", one), ("fp32", model32))}  # fmt: skip
+    for run in ("tp", "one"):
+        errs[run]["loss_after_step"] = _rel(after[run], after["fp32"])
+    return {
+        **errs,
+        "margin": _margin(ref, k),
+        "routing": routing,
+        "fallbacks": list(plan.fallbacks),
+        "experts": {n: str(pl) for n, pl in plan.params.items() if ".experts." in n},
+    }

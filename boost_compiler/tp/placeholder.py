@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
@@ -57,8 +58,9 @@ class Placeholder(torch.Tensor):
     """A shadow parameter: dynamo traces it as a plain parameter, eager dispatch refuses it.
 
     A traceable wrapper subclass (``__tensor_flatten__``) around a stride-0 NaN
-    tensor: dynamo fakifies it through its inner tensor and records the same
-    graph a plain parameter gives (checked on 2.13); every ATen operation on it
+    tensor: dynamo fakifies it through its inner tensor, which ``__tensor_unflatten__``
+    gives a contiguous parameter's strides, and records the same graph a plain
+    parameter gives (checked on 2.13); every ATen operation on it
     reaches :meth:`__torch_dispatch__`, which computes only on fake inner
     tensors, i.e. while dynamo traces, and raises for real ones. Metadata
     (sizes, strides, dtype, device) lives on the wrapper and dispatches nothing.
@@ -70,8 +72,10 @@ class Placeholder(torch.Tensor):
 
     @staticmethod
     def __new__(cls, elem: torch.Tensor, requires_grad: bool = False) -> Placeholder:
+        # The wrapper has the strides of a contiguous parameter of this shape, whatever
+        # ``elem``'s (stride 0): metadata only, it owns no storage.
         t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(),
+            cls, elem.shape, strides=make_contiguous_strides_for(elem.shape), storage_offset=0,
             dtype=elem.dtype, device=elem.device, requires_grad=requires_grad,
         )  # fmt: skip
         t.elem = elem
@@ -83,7 +87,14 @@ class Placeholder(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, Any], meta: Any, size: Any, stride: Any) -> Any:
-        return Placeholder(inner["elem"])
+        elem = inner["elem"]
+        if isinstance(elem, FakeTensor) and elem.stride() != tuple(stride):
+            # Dynamo's fake copy of the stride-0 NaN: traced ops must see the strides a
+            # real parameter has, or the graph differs from a plain parameter's and
+            # stride checks refuse it (``torch._grouped_mm``'s meta rejects a stride-0
+            # ``mat_b``: bf16 MoE experts). A fake tensor allocates nothing.
+            elem = elem.new_empty_strided(size, stride)
+        return Placeholder(elem)
 
     def __repr__(self) -> str:  # the default repr would compute on it
         record = shadow_param(self)

@@ -26,8 +26,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ...ir.op_table import add_library_op, add_spelling
-from ...ir.ops import shape_of
+from ...ir.op_table import add_library_op, add_spelling, op_kind
+from ...ir.ops import is_elementwise_on_last_dim, shape_of
 from ..placement import P, Placement, R, S
 from ..strategy import RuleContext, Strategy, Then, fallback, replicated
 from .matrix import fused_blocks
@@ -81,6 +81,8 @@ def grouped_mm(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     found = _expert_weight(ctx, w)
     x_pl = ctx.placement(x)
     if found is not None and ctx.is_open(found[0]):
+        if x_pl in (R, _ROW) and _down_factor(node):  # BTP: the rank carries the sum
+            return _narrow_row_parallel(ctx, x, w, found)
         if x_pl == _ROW:  # a hidden shard dispatched: the expert is a bottleneck
             return _row_parallel(ctx, node, x, w, found)
         return _column_parallel(ctx, node, x, w, found) if x_pl == R else fallback()
@@ -159,3 +161,39 @@ def _take(
         return False
     s.read(w, want)
     return True
+
+
+def _down_factor(node: fx.Node) -> bool:
+    """A per-expert factor pair's down factor: its output, narrower than its input, is read
+    (through ops element-wise on the last dim) as the input of a grouped GEMM that widens
+    it again. ``to_low_rank(experts=True)``'s experts; dense experts never qualify (their
+    gate/up output is chunked before the down GEMM reads it)."""
+    ops = _operands(node)
+    assert ops is not None
+    k, n = shape_of(ops[0])[1], shape_of(node)[1]
+    if not (isinstance(k, int) and isinstance(n, int)) or n >= k:
+        return False
+    frontier, seen = [node], set()
+    while frontier:
+        cur = frontier.pop()
+        for user in cur.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            up = _operands(user) if op_kind(user) == KIND else None
+            if up is not None and up[0] is cur:
+                return shape_of(user)[1] > n
+            if is_elementwise_on_last_dim(user):
+                frontier.append(user)
+    return False
+
+
+def _narrow_row_parallel(
+    ctx: RuleContext, x: fx.Node, w: fx.Node, found: tuple[fx.Node, bool]
+) -> Strategy:
+    """A down factor row-parallel (a replicated input sliced on ``K``), its narrow partial
+    all-reduced at once: the next (up) factor reads it whole and runs column-parallel."""
+    s = Strategy(out=P).read(x, _ROW)
+    if not _take(ctx, s, w, found, S(1)):
+        return fallback()
+    return replace(s, then=Then(R, "experts bottleneck"), label="all-reduce")
