@@ -27,7 +27,6 @@ from ._logging import get_logger
 from .errors import ShardingError
 from .ir.capture import placeholder_names
 from .ir.dump import GraphDumper
-from .lowering import poll_waits
 from .options import BoostOptions
 from .passes import TP_REQUIRED, BoostPass, PassContext
 from .passes.base import _digest
@@ -43,20 +42,19 @@ class _PostGrad(CustomGraphPass):
     """The boost passes over Inductor's post-grad graphs, its uuid the whole pipeline's.
 
     Registered as ``post_grad_custom_post_pass``, it runs on the forward and the backward
-    graph (:mod:`.lowering`: polled collective waits). The dynamo-graph passes run before
+    graph (:mod:`.lowering`: collectives started early, waited for late, by polling). The dynamo-graph passes run before
     Inductor sees the graph, so a changed graph already changes the cache key;
     metadata-only changes do not: every boost pass's uuid is folded into Inductor's and
     AOTAutograd's cache keys here, with the post-grad settings.
     """
 
-    def __init__(self, uuids: Sequence[str], wait: str, inner: Any = None) -> None:
-        self.uuids = (*uuids, f"collective_wait={wait}", lowering.SOURCE_DIGEST)
-        self.wait = wait
+    def __init__(self, uuids: Sequence[str], wait: str, overlap: bool, inner: Any = None) -> None:
+        self.uuids = (*uuids, f"wait={wait},overlap={overlap}", lowering.SOURCE_DIGEST)
+        self.wait, self.overlap = wait, overlap
         self.inner = inner  # a user's own post_grad_custom_post_pass, kept working
 
     def __call__(self, graph: fx.Graph) -> None:
-        polled = poll_waits(graph, self.wait)
-        counters["boost"]["polled_collectives"] += polled
+        counters["boost"]["split_collectives"] += lowering.post_grad(graph, self.wait, self.overlap)
         if self.inner is not None:
             self.inner(graph)
 
@@ -208,8 +206,15 @@ def _lower_with_inductor(
         "post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass
     )
     patches["post_grad_custom_post_pass"] = _PostGrad(
-        [p.uuid() for p in ran], opts.settings["collective_wait"], user_pass
+        [p.uuid() for p in ran],
+        opts.settings["collective_wait"],
+        opts.settings["overlap_comm"],
+        user_pass,
     )
+    if opts.settings["overlap_comm"] and "_post_fusion_custom_pass" not in patches:
+        patches["_post_fusion_custom_pass"] = lowering.OverlapSchedule()
+        # its peak-memory re-ordering runs after, and would undo the overlap
+        patches.setdefault("reorder_for_peak_memory", False)
     # Inductor config must travel as config_patches: a `with config.patch()`
     # around compile_fx would miss the lazily compiled backward graph.
     return compile_fx(gm, example_inputs, config_patches=patches)

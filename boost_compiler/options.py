@@ -43,6 +43,13 @@ SETTINGS: dict[str, Setting] = {
         "'block' (torch's wait_tensor), 'auto' (poll on gloo groups)",
         choices=("auto", "poll", "block"),
     ),
+    "overlap_comm": Setting(
+        (bool,),
+        True,
+        "compiled graphs start each all-reduce/all-gather as early and wait for it as late "
+        "as their order allows, so independent work runs while it is in flight "
+        "(boost_compiler/lowering/overlap.py)",
+    ),
     "dump_dir": Setting(
         (str,),
         None,

@@ -1,4 +1,5 @@
-"""Polled collective waits (option ``collective_wait``): the same collectives, polled."""
+"""Collectives as start/wait pairs (options ``collective_wait``, ``overlap_comm``): the
+same collectives, waited for by polling, with independent work scheduled between."""
 
 from __future__ import annotations
 
@@ -11,26 +12,30 @@ import torch.fx as fx
 
 import boost_compiler
 from boost_compiler.bench.harness import spawn
-from boost_compiler.lowering import poll_waits
+from boost_compiler.lowering import reorder, split_collectives
 from boost_compiler.tp.collectives import fake_process_group
 from examples.cola_llama import build, example_inputs
 
 FUNCOL = torch.ops._c10d_functional
-POLLED = {torch.ops.boost.all_reduce_polled.default, torch.ops.boost.all_gather_polled.default}
+BOOST = {
+    torch.ops.boost.all_reduce_start.default,
+    torch.ops.boost.all_gather_start.default,
+    torch.ops.boost.collective_wait.default,
+}
 
 
 def _kinds(graph: fx.Graph) -> dict[str, int]:
     out: dict[str, int] = {}
     for n in graph.nodes:
         if n.op == "call_function" and (
-            n.target in POLLED or getattr(n.target, "namespace", "") == "_c10d_functional"
+            n.target in BOOST or getattr(n.target, "namespace", "") == "_c10d_functional"
         ):
             key = f"{n.target.namespace}.{n.target._opname}"
             out[key] = out.get(key, 0) + 1
     return out
 
 
-def _compiled_graphs(wait: str) -> list[dict[str, int]]:
+def _compiled_graphs(wait: str, overlap: bool = True) -> list[dict[str, int]]:
     """Post-grad forward and backward graphs of the tiny CoLA-LLaMA at tp=2 (fake group),
     as Inductor lowers them: after the boost post-grad passes."""
     graphs: list[dict[str, int]] = []
@@ -39,32 +44,37 @@ def _compiled_graphs(wait: str) -> list[dict[str, int]]:
         (ids,) = example_inputs(model.cfg, batch=2, seq=16)
         boost_compiler.parallelize(model, dist.group.WORLD, (ids,), {"labels": ids})
         record = {"post_grad_custom_post_pass": lambda g: graphs.append(_kinds(g))}
-        options = {"collective_wait": wait, "inductor_config": record}
+        options = {"collective_wait": wait, "overlap_comm": overlap, "inductor_config": record}
         run = torch.compile(model, backend="boost", options=options)
         run(ids, labels=ids).backward()
     return graphs
 
 
-def test_polled_graphs_issue_the_same_collectives() -> None:
-    """Every all-reduce and all-gather paired with its wait becomes one polled op; the
-    reduce-scatter (gloo's completes only inside wait()) keeps torch's wait."""
-    blocked, polled = _compiled_graphs("block"), _compiled_graphs("poll")
-    assert len(blocked) == len(polled) == 2  # forward, backward
-    for b, p in zip(blocked, polled, strict=True):
+def test_split_graphs_issue_the_same_collectives() -> None:
+    """Every all-reduce and all-gather paired with its wait becomes a start and a
+    collective_wait; the reduce-scatter (gloo's completes only inside wait()) keeps torch's
+    wait; with blocking waits and no overlap, torch's collectives stay untouched."""
+    blocked, split = _compiled_graphs("block", overlap=False), _compiled_graphs("poll")
+    assert len(blocked) == len(split) == 2  # forward, backward
+    for b, p in zip(blocked, split, strict=True):
         assert b.get("_c10d_functional.all_reduce", 0) > 0
-        assert p.get("boost.all_reduce_polled", 0) == b["_c10d_functional.all_reduce"]
-        assert p.get("boost.all_gather_polled", 0) == b.get(
+        assert not any(k.startswith("boost.") for k in b)
+        assert p.get("boost.all_reduce_start", 0) == b["_c10d_functional.all_reduce"]
+        assert p.get("boost.all_gather_start", 0) == b.get(
             "_c10d_functional.all_gather_into_tensor", 0
+        )
+        assert p["boost.collective_wait"] == p["boost.all_reduce_start"] + p.get(
+            "boost.all_gather_start", 0
         )
         assert "_c10d_functional.all_reduce" not in p
         assert p.get("_c10d_functional.reduce_scatter_tensor", 0) == b.get(
             "_c10d_functional.reduce_scatter_tensor", 0
         )
-        # the only waits left are the reduce-scatters'
+        # the only torch waits left are the reduce-scatters'
         assert p.get("_c10d_functional.wait_tensor", 0) == p.get(
             "_c10d_functional.reduce_scatter_tensor", 0
         )
-    assert sum(p.get("boost.all_gather_polled", 0) for p in polled) == 1  # the LM head's
+    assert sum(p.get("boost.all_gather_start", 0) for p in split) == 1  # the LM head's
 
 
 def _graph(users: int, group: str, op: Any = None) -> fx.Graph:
@@ -79,17 +89,19 @@ def _graph(users: int, group: str, op: Any = None) -> fx.Graph:
     return g
 
 
-def test_only_a_collective_whose_one_user_is_its_wait_is_polled() -> None:
-    assert poll_waits(_graph(1, "g"), "poll") == 1
-    assert poll_waits(_graph(2, "g"), "poll") == 0  # another reader of the unwaited value
-    assert poll_waits(_graph(1, "g", FUNCOL.reduce_scatter_tensor.default), "poll") == 0
-    assert poll_waits(_graph(1, "g"), "block") == 0
-    assert poll_waits(_graph(1, "no such group"), "auto") == 0  # not a live gloo group
-    g = _graph(1, "g")
-    poll_waits(g, "poll")
-    (node,) = [n for n in g.nodes if n.op == "call_function"]
-    assert node.target is torch.ops.boost.all_reduce_polled.default
-    assert node.args[1:] == ("sum", "g")
+def test_only_a_collective_whose_one_user_is_its_wait_is_split() -> None:
+    assert split_collectives(_graph(1, "g"), "poll") == 1
+    assert split_collectives(_graph(2, "g"), "poll") == 0  # another reader of the unwaited
+    assert split_collectives(_graph(1, "g", FUNCOL.reduce_scatter_tensor.default), "poll") == 0
+    for mode, group, polls in (("poll", "g", True), ("block", "g", False),
+                               ("auto", "no such group", False)):  # fmt: skip
+        g = _graph(1, group)
+        assert split_collectives(g, mode) == 1
+        start, wait = [n for n in g.nodes if n.op == "call_function"]
+        assert start.target is torch.ops.boost.all_reduce_start.default
+        assert start.args[1:] == ("sum", group)
+        assert wait.target is torch.ops.boost.collective_wait.default
+        assert wait.args == (start, polls)  # auto polls live gloo groups only
 
 
 def polled_values(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
@@ -104,15 +116,16 @@ def polled_values(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
     for op in ("sum", "max"):
         want = x.clone()
         dist.all_reduce(want, op=getattr(dist.ReduceOp, op.upper()))
-        got = torch.ops.boost.all_reduce_polled(x, op, name)
+        got = torch.ops.boost.collective_wait(torch.ops.boost.all_reduce_start(x, op, name), True)
         out[op] = torch.equal(got, want) and not torch.equal(got, x)
     want = torch.empty(8, 8, 3)
     dist.all_gather_into_tensor(want, x)
-    out["all_gather"] = torch.equal(torch.ops.boost.all_gather_polled(x, 2, name), want)
+    started = torch.ops.boost.all_gather_start(x, 2, name)
+    out["all_gather"] = torch.equal(torch.ops.boost.collective_wait(started, False), want)
     return out
 
 
-def test_polled_ops_equal_torchs_collectives_on_every_rank() -> None:
+def test_split_ops_equal_torchs_collectives_on_every_rank() -> None:
     res = spawn("tests.test_poll_waits:polled_values", 2, {}, timeout_s=120, tag="test")
     assert "error" not in res, res.get("traceback")
     for r in res["per_rank"]:
@@ -127,3 +140,33 @@ def test_unknown_wait_mode_is_refused(wait: str) -> None:
 
     with pytest.raises(OptionTypeError, match="collective_wait"):
         BoostOptions.parse({"collective_wait": wait})
+
+
+class _Node:
+    """A stand-in scheduler node: a name, the op it runs, its dependencies' buffer names."""
+
+    def __init__(self, name: str, op: Any = None, deps: tuple[str, ...] = ()) -> None:
+        self.name, self.node = name, type("K", (), {"op_overload": op})()
+        self.unmet_dependencies = [type("D", (), {"name": d})() for d in deps]
+
+    def get_buffer_names(self) -> list[str]:
+        return [self.name]
+
+
+def test_reorder_starts_early_waits_late_dependencies_kept() -> None:
+    """A backward layer as Inductor fuses it: the input-gradient GEMM feeds the all-reduce,
+    the weight-gradient GEMM does not; the reorder runs the weight GEMM while the
+    all-reduce is in flight, and never before its own input."""
+    start, wait = torch.ops.boost.all_reduce_start.default, torch.ops.boost.collective_wait.default
+    nodes = [
+        _Node("g"),  # the incoming gradient
+        _Node("w_grad", deps=("g",)),  # weight-gradient GEMM: independent of the collective
+        _Node("x_grad", deps=("g",)),  # input-gradient GEMM: the all-reduce's input
+        _Node("start", start, ("x_grad",)),
+        _Node("wait", wait, ("start",)),
+        _Node("next", deps=("wait", "w_grad")),
+    ]
+    order = [n.name for n in reorder(nodes)]
+    assert order == ["g", "x_grad", "start", "w_grad", "wait", "next"]
+    no_wait = [n for n in nodes if n.name not in ("start", "wait")]
+    assert reorder(no_wait) == no_wait  # nothing to overlap: Inductor's order stands

@@ -14,7 +14,7 @@ from typing import Any
 from . import peers
 from .breakdown import summarise
 from .harness import DENSE, ModelSpec
-from .training import TP_SYSTEMS
+from .training import BOOST_VARIANTS, TP_SYSTEMS
 
 SIZES: dict[str, ModelSpec] = {
     # a smoke-test size (the "tiny" preset of boost_compiler.models.cola_llama)
@@ -67,6 +67,8 @@ def predict(system: str, spec: ModelSpec, tp: int) -> dict[str, Any]:
 
     if system in peers.TORCHTITAN:
         return peers.predict(system, spec, tp)
+    if system in BOOST_VARIANTS:  # the same collectives, waited for differently
+        system = "boost"
 
     dims = cm.LlamaDims(
         "bench", spec.d, spec.ff, spec.layers, spec.heads, spec.rank, spec.kv_heads, spec.vocab

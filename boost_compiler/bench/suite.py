@@ -23,6 +23,10 @@ timed in interleaved rounds (``training.py``), so a drifting background load hit
                      same compile, ``--tp`` processes.
 ``inductor``         the low-rank model on one process, ``torch.compile(model)``.
 ``eager``            the low-rank model on one process, eager.
+``boost-block``, ``boost-nooverlap`` (not in the defaults): BOOST with torch's blocking
+                     collective waits and no overlap, or polled waits and no overlap
+                     (options ``collective_wait``, ``overlap_comm``): each lowering lever
+                     measured on and off in the same run.
 ``dtensor-lowrank-nosp``, ``dtensor-dense-nosp`` (not in the defaults): the previous
                      baselines, Megatron in the blocks only (embedding, norms, head and the
                      full logits and loss replicated), ``torch.compile(model)``.

@@ -41,10 +41,16 @@ from .harness import (
 from .peers import TORCHTITAN, compile_blocks, compute_loss, loss_context
 
 NOSP_SYSTEMS = NOSP  # extra systems, not in the defaults
-TP_SYSTEMS = ("boost", *TORCHTITAN, *NOSP_SYSTEMS)
+# BOOST with lowering levers switched off (not in the defaults), to measure each lever on
+# and off side by side in one run: polled waits (collective_wait) and overlap (overlap_comm)
+BOOST_VARIANTS: dict[str, dict[str, Any]] = {
+    "boost-block": {"collective_wait": "block", "overlap_comm": False},
+    "boost-nooverlap": {"overlap_comm": False},
+}
+TP_SYSTEMS = ("boost", *TORCHTITAN, *NOSP_SYSTEMS, *BOOST_VARIANTS)
 SINGLE_SYSTEMS = ("eager", "inductor")
 SYSTEMS = TP_SYSTEMS + SINGLE_SYSTEMS
-DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in NOSP_SYSTEMS)
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in (*NOSP_SYSTEMS, *BOOST_VARIANTS))
 N_BATCHES = 4  # a small pool of fixed batches, cycled
 
 
@@ -167,6 +173,8 @@ def _cache_counts(counters: Any) -> dict[str, int]:
 def _compile(system: str, model: torch.nn.Module) -> Any:
     if system == "boost":
         return torch.compile(model, backend="boost")  # the defaults: every boost pass
+    if system in BOOST_VARIANTS:
+        return torch.compile(model, backend="boost", options=BOOST_VARIANTS[system])
     if system == "eager":
         return model
     if system in TORCHTITAN:  # torchtitan's apply_compile: per block, the rest eager
@@ -227,10 +235,11 @@ class _System:
             "params_global": sum(p.numel() for p in self.model.parameters()),
         }
         t0 = time.perf_counter()
+        boost = system == "boost" or system in BOOST_VARIANTS
         if tp:
-            parallelize(system, self.model, mesh, batches[0], world)
+            parallelize("boost" if boost else system, self.model, mesh, batches[0], world)
         self.out["parallelize_s"] = time.perf_counter() - t0
-        if system == "boost":
+        if boost:
             from boost_compiler.costmodel import plan_comm
 
             pc = plan_comm(self.model.boost_plan)
@@ -302,7 +311,7 @@ class _System:
                 dist.all_gather_object(ranks, out["memory"])
                 out["memory_ranks"] = ranks
         out["losses"] = self.losses
-        if self.system == "boost":
+        if self.system == "boost" or self.system in BOOST_VARIANTS:
             out["fallbacks"] = list(self.model.boost_plan.fallbacks)
         return out
 
@@ -351,7 +360,7 @@ def _time_interleaved(
                 for k, v in _cache_counts(counters).items()
                 if v - before.get(k, 0)
             }
-            if system == "boost":
+            if system == "boost" or system in BOOST_VARIANTS:
                 sysrun.out["boost_counters"] = {
                     k: v - boost_before.get(k, 0) for k, v in counters["boost"].items()
                 }

@@ -2,17 +2,44 @@
 
 The boost passes rewrite dynamo's forward graph; AOTAutograd then derives the backward,
 and only at Inductor's post-grad stage do both graphs exist with their collectives. What
-must see those (how a rank waits for a collective) lives here.
+must see those lives here: how a rank waits for a collective (:mod:`.poll_waits`) and
+what runs while it is in flight (:mod:`.overlap`).
 """
 
 import hashlib
 from pathlib import Path
 
-from .poll_waits import POLLED, poll_waits, polls
+from torch._inductor.custom_graph_pass import CustomSchedulerPass
+
+from .overlap import reorder
+from .poll_waits import STARTS, WAIT, polls, split_collectives
 
 # folded into Inductor's cache key: a change to these passes recompiles
 SOURCE_DIGEST = hashlib.sha256(
     b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py")))
 ).hexdigest()[:16]
 
-__all__ = ["POLLED", "SOURCE_DIGEST", "poll_waits", "polls"]
+
+def post_grad(graph: object, wait: str, overlap: bool) -> int:
+    """Options ``collective_wait`` and ``overlap_comm`` on one post-grad graph: how many
+    collectives were split into start and wait (none with ``block`` and no overlap:
+    torch's own collectives, untouched)."""
+    if wait == "block" and not overlap:
+        return 0
+    return split_collectives(graph, wait)  # type: ignore[arg-type]
+
+
+class OverlapSchedule(CustomSchedulerPass):
+    """:func:`.overlap.reorder` as Inductor's ``_post_fusion_custom_pass`` (cacheable)."""
+
+    def __call__(self, nodes: list) -> list:  # type: ignore[type-arg]
+        return reorder(nodes)
+
+    def uuid(self) -> str:
+        return SOURCE_DIGEST
+
+
+__all__ = [
+    "SOURCE_DIGEST", "STARTS", "WAIT", "OverlapSchedule", "polls", "post_grad", "reorder",
+    "split_collectives",
+]  # fmt: skip

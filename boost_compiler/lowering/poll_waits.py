@@ -1,10 +1,12 @@
-"""Collectives on CPU process groups waited for by polling, not by sleeping.
+"""Collectives issued as start/wait op pairs whose wait polls on CPU process groups.
 
-Invariant: each ``_c10d_functional`` all-reduce / all-gather whose only
-user is its ``wait_tensor`` becomes one ``boost::*_polled`` op at the collective's place in
-the graph: the same collective on the same process group, issued in the same order on
-every rank, returning the same tensor; only the wait differs. Anything else (a collective
-with other users, a group of another backend, an unknown reduce op) is left as it was.
+Invariant: each ``_c10d_functional`` all-reduce / all-gather whose only user is its
+``wait_tensor`` becomes ``boost::*_start`` (at the collective's place: the same collective
+on the same process group, issued in the same order on every rank) and
+``boost::collective_wait`` (at the wait's place), which returns the collective's result.
+Anything else (a collective with other users, an unknown reduce op, a reduce-scatter:
+gloo's emulated one completes only inside ``wait()``) is left as it was. Where the wait
+then goes is :mod:`.overlap`'s business.
 
 Why: ``wait_tensor`` blocks on a condition variable. With gloo on a machine of a few cores
 (a VM's vCPUs) the waiting core goes idle, and the wake-up when the peer's data arrives
@@ -13,7 +15,7 @@ all-reduce between two idle processes takes 3.4 ms (median; 0.3 ms at best), and
 ms when the waiter polls. MPI libraries busy-poll their progress engines for the same
 reason. The poll yields the core between checks (``sched_yield``), so gloo's own threads,
 which do the transfer, are not starved. On NCCL the wait is a stream dependency, not a
-CPU sleep: ``auto`` polls gloo groups only.
+CPU sleep: ``auto`` polls gloo groups only and blocks elsewhere.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import torch.fx as fx
 _FUNCOL = torch.ops._c10d_functional
 _REDUCE_OPS = ("sum", "max", "min", "product", "avg")
 POLL_S = 0.05  # past this, a wait blocks: a peer that late is not a wake-up's latency
+# in flight: the storage of a start's result -> its Work (the wait takes it out)
+_PENDING: dict[int, Any] = {}
 
 
 def _group(group_name: str) -> Any:
@@ -42,63 +46,83 @@ def _reduce_op(name: str) -> Any:
     return getattr(dist.ReduceOp, name.upper())
 
 
-def _poll(work: Any) -> None:
-    """Yield the core until ``work`` completes, for at most :data:`POLL_S`; then block.
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
-    The deadline bounds the spin where a peer is slow (or a Work only completes inside
-    ``wait()``: gloo's emulated reduce-scatter does, which is why it is not polled).
-    """
-    deadline = time.perf_counter() + POLL_S
-    while not work.is_completed() and time.perf_counter() < deadline:
-        os.sched_yield()
+
+def _complete(work: Any, poll: bool) -> None:
+    """Wait for ``work``; polling: yield the core until it completes, for at most
+    :data:`POLL_S`, then block (a slow peer is not worth a spinning core)."""
+    if poll:
+        deadline = time.perf_counter() + POLL_S
+        while not work.is_completed() and time.perf_counter() < deadline:
+            os.sched_yield()
     work.wait()  # raises the collective's error (a timeout, a peer gone), if any
 
 
-@torch.library.custom_op("boost::all_reduce_polled", mutates_args=())
-def all_reduce_polled(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    """``_c10d_functional.all_reduce`` + its ``wait_tensor``, the wait polled."""
+@torch.library.custom_op("boost::all_reduce_start", mutates_args=())
+def all_reduce_start(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    """Issue ``_c10d_functional.all_reduce`` on a copy of ``x``; read it through
+    :func:`collective_wait` only."""
     import torch.distributed as dist
 
     out = x.clone(memory_format=torch.contiguous_format)
-    _poll(dist.all_reduce(out, op=_reduce_op(reduce_op), group=_group(group_name), async_op=True))
+    work = dist.all_reduce(out, op=_reduce_op(reduce_op), group=_group(group_name), async_op=True)
+    _PENDING[_key(out)] = work
     return out
 
 
-@all_reduce_polled.register_fake
+@all_reduce_start.register_fake
 def _(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("boost::all_gather_polled", mutates_args=())
-def all_gather_polled(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """``_c10d_functional.all_gather_into_tensor`` + its wait (the ranks' inputs stacked on
-    dim 0), the wait polled."""
+@torch.library.custom_op("boost::all_gather_start", mutates_args=())
+def all_gather_start(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Issue ``_c10d_functional.all_gather_into_tensor`` (the ranks' inputs stacked on dim 0);
+    read it through :func:`collective_wait` only."""
     import torch.distributed as dist
 
     out = x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
-    _poll(dist.all_gather_into_tensor(out, x.contiguous(), group=_group(group_name),
-                                      async_op=True))  # fmt: skip
+    work = dist.all_gather_into_tensor(out, x.contiguous(), group=_group(group_name),
+                                       async_op=True)  # fmt: skip
+    _PENDING[_key(out)] = work
     return out
 
 
-@all_gather_polled.register_fake
+@all_gather_start.register_fake
 def _(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     return x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
 
 
-# functional collective -> (its polled op, position of its reduce op among the arguments)
-POLLED = {
-    _FUNCOL.all_reduce.default: (torch.ops.boost.all_reduce_polled.default, 1),
-    _FUNCOL.all_gather_into_tensor.default: (torch.ops.boost.all_gather_polled.default, None),
+@torch.library.custom_op("boost::collective_wait", mutates_args=())
+def collective_wait(x: torch.Tensor, poll: bool) -> torch.Tensor:
+    """The completed result of the start that returned ``x`` (a copy: an op's output may
+    not alias its input)."""
+    work = _PENDING.pop(_key(x), None)
+    if work is None:
+        raise RuntimeError("boost::collective_wait: no collective in flight for this tensor")
+    _complete(work, poll)
+    return x.clone()
+
+
+@collective_wait.register_fake
+def _(x: torch.Tensor, poll: bool) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+# functional collective -> (its start op, position of its reduce op among the arguments)
+STARTS = {
+    _FUNCOL.all_reduce.default: (torch.ops.boost.all_reduce_start.default, 1),
+    _FUNCOL.all_gather_into_tensor.default: (torch.ops.boost.all_gather_start.default, None),
 }
+WAIT = torch.ops.boost.collective_wait.default
 
 
 def polls(group_name: str, mode: str) -> bool:
     """Whether a collective on ``group_name`` is polled under option ``collective_wait``."""
-    if mode == "block":
-        return False
-    if mode == "poll":
-        return True
+    if mode in ("block", "poll"):
+        return mode == "poll"
     import torch.distributed as dist
 
     try:
@@ -107,31 +131,30 @@ def polls(group_name: str, mode: str) -> bool:
         return False
 
 
-def poll_waits(graph: fx.Graph, mode: str = "auto") -> int:
+def split_collectives(graph: fx.Graph, mode: str = "auto") -> int:
     """Rewrite ``graph`` in place (see the module docstring); returns collectives rewritten."""
     done = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in POLLED:
+        if node.op != "call_function" or node.target not in STARTS:
             continue
         users = list(node.users)
-        if (
-            node.kwargs
-            or not isinstance(node.args[-1], str)
-            or len(users) != 1
-            or users[0].target is not _FUNCOL.wait_tensor.default
-        ):
+        if node.kwargs or not isinstance(node.args[-1], str) or len(users) != 1:
             continue
-        polled, op_at = POLLED[node.target]
+        wait = users[0]
+        start_op, op_at = STARTS[node.target]
+        if wait.target is not _FUNCOL.wait_tensor.default:
+            continue
         if op_at is not None and node.args[op_at] not in _REDUCE_OPS:
             continue
-        if not polls(node.args[-1], mode):
-            continue
         with graph.inserting_before(node):
-            new = graph.call_function(polled, tuple(node.args))
-        # the wait's value and provenance; not its eager_input_vals (the wait's own args)
-        new.meta = {k: v for k, v in users[0].meta.items() if k != "eager_input_vals"}
-        users[0].replace_all_uses_with(new)
-        graph.erase_node(users[0])
+            start = graph.call_function(start_op, tuple(node.args))
+        with graph.inserting_before(wait):
+            new = graph.call_function(WAIT, (start, polls(node.args[-1], mode)))
+        # values and provenance; not eager_input_vals (the replaced nodes' own arguments)
+        start.meta = {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
+        new.meta = {k: v for k, v in wait.meta.items() if k != "eager_input_vals"}
+        wait.replace_all_uses_with(new)
+        graph.erase_node(wait)
         graph.erase_node(node)
         done += 1
     return done
