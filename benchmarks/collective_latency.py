@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +24,9 @@ import torch
 from boost_compiler.bench.harness import spawn
 from boost_compiler.lowering.poll_waits import _complete
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the spawned workers import this script as a module
+    sys.path.insert(0, str(ROOT))
 SIZES = (1024, 32768, 131072, 393216, 1048576)  # floats: 4 KiB .. 4 MiB
 
 

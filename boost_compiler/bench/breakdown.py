@@ -10,7 +10,7 @@ it contributes its *self* time (its own time, children excluded) to one part:
                    compiled graphs (``## Call CompiledFxGraph``'s self time: they run
                    inside it and record no event of their own).
 ``exposed comm``   the time the main thread spends inside collectives: issuing them and
-                   waiting in ``wait_tensor`` / ``c10d::*``. The backend's own work on its
+                   waiting in ``wait_tensor`` / ``c10d::*`` / ``boost::collective_wait``. The backend's own work on its
                    worker threads (gloo's ``gloo:*`` events) is not on this thread: what is
                    counted is only what the step could not overlap. Compiled graphs and
                    DTensor issue functional collectives, whose wait is an op
@@ -35,7 +35,13 @@ STEP_MARK = "bench::step"
 OPTIMIZER_MARK = "bench::optimizer"
 GEMM_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::_grouped_mm"})
 COMM_PREFIXES = ("_c10d_functional::", "c10d::", "c10d_functional::", "record_param_comms")
-COMM_NAMES = frozenset({"_c10d_functional::wait_tensor", "aten::wait_tensor"})
+COMM_NAMES = frozenset({
+    "_c10d_functional::wait_tensor", "aten::wait_tensor",
+    # boost's own start/wait pairs (boost_compiler/lowering/poll_waits.py) and the pipeline
+    # stages' sharded boundary (an all-gather: boost_compiler/tp/boundary.py)
+    "boost::all_reduce_start", "boost::all_gather_start", "boost::collective_wait",
+    "boost::from_tp_shards",
+})  # fmt: skip
 # compiled graphs: their fused kernels run inside this event and record none of their own
 INDUCTOR_CALL = "## Call CompiledFxGraph"
 
