@@ -45,10 +45,11 @@ SETTINGS: dict[str, Setting] = {
     ),
     "overlap_comm": Setting(
         (bool,),
-        True,
+        False,
         "compiled graphs start each all-reduce/all-gather as early and wait for it as late "
         "as their order allows, so independent work runs while it is in flight "
-        "(boost_compiler/lowering/overlap.py)",
+        "(boost_compiler/lowering/overlap.py; off by default: measured neutral on CPU gloo, "
+        "whose transfer threads share the cores the overlapped GEMMs run on)",
     ),
     "dump_dir": Setting(
         (str,),

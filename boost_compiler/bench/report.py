@@ -128,8 +128,8 @@ def breakdown_table(summary: dict[str, dict[str, Any]]) -> Any:
     from .breakdown import PARTS, within
 
     t = Table(
-        title="Where a step's time goes, per rank (ms): the profiled step of median wall time "
-        "of 3, beside the timed median",
+        title="Where a step's time goes, per rank (ms): the profiled step of median wall time, "
+        "beside the timed median",
         title_justify="left",
         caption="GEMM: aten mm/bmm/addmm; other compute: every other op, attention and the "
         "compiled graphs' fused kernels; exposed comm: time the rank's main thread spends "

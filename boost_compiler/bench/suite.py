@@ -23,10 +23,10 @@ timed in interleaved rounds (``training.py``), so a drifting background load hit
                      same compile, ``--tp`` processes.
 ``inductor``         the low-rank model on one process, ``torch.compile(model)``.
 ``eager``            the low-rank model on one process, eager.
-``boost-block``, ``boost-nooverlap`` (not in the defaults): BOOST with torch's blocking
-                     collective waits and no overlap, or polled waits and no overlap
-                     (options ``collective_wait``, ``overlap_comm``): each lowering lever
-                     measured on and off in the same run.
+``boost-block``, ``boost-overlap`` (not in the defaults): BOOST with torch's blocking
+                     collective waits instead of polled ones, or with communication
+                     overlapped with compute (options ``collective_wait``,
+                     ``overlap_comm``): each lowering lever on and off in the same run.
 ``dtensor-lowrank-nosp``, ``dtensor-dense-nosp`` (not in the defaults): the previous
                      baselines, Megatron in the blocks only (embedding, norms, head and the
                      full logits and loss replicated), ``torch.compile(model)``.
@@ -94,6 +94,7 @@ __all__ = [
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # in a source checkout: its git commit
 DEFAULT_GEMM_SCALES = ("small", "large", "xl")
+BREAKDOWN_STEPS = 5  # profiled steps per system; the one of median wall time is split
 
 
 # --------------------------------------------------------------------------- arguments
@@ -129,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="split each rank's step into GEMM, other compute, exposed communication, "
-        "optimizer and overhead, from 3 more profiled steps (bench/breakdown.py)",
+        f"optimizer and overhead, from {BREAKDOWN_STEPS} more profiled steps (bench/breakdown.py)",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
     p.add_argument(
@@ -264,7 +265,7 @@ def _run_systems(
             res = spawn(
                 "boost_compiler.bench.training:run_group", world,
                 {"systems": members, "specs": specs, "steps": args.steps, "warmup": args.warmup,
-                 "breakdown_steps": 3 if args.breakdown else 0},
+                 "breakdown_steps": BREAKDOWN_STEPS if args.breakdown else 0},
                 timeout_s=args.timeout, threads=threads, tag=tag, log_dir=out / "logs",
             )  # fmt: skip
         results.update(split_group(res, members))
