@@ -22,7 +22,6 @@ head tied to the embedding cannot be factored without untying it).
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
 from collections.abc import Sequence
@@ -34,6 +33,9 @@ from rich.console import Group
 from rich.table import Table
 from torch import nn
 
+from .convert_rules import LayerConversion
+from .convert_rules import choose_rank as _choose_rank
+from .convert_rules import covered as _covered
 from .errors import ConversionError, PatternError, RankError, UnsupportedModuleError
 from .sparse import SparsePart
 from .tp.shadow import is_shard, parallel_state
@@ -110,22 +112,6 @@ def low_rank_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
         for name, mod in model.named_modules()
         if isinstance(mod, LowRankLinear)
     }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class LayerConversion:
-    """One converted projection. FLOPs are per token, ``2 x`` multiply-adds, bias excluded."""
-
-    name: str
-    kind: str
-    d_in: int
-    rank: int
-    d_out: int
-    params_before: int
-    params_after: int
-    flops_before: int
-    flops_after: int
-    rel_error: float | None = None  # ||W - up @ down||_F / ||W||_F (svd only)
 
 
 @dataclass
@@ -224,16 +210,6 @@ def _patterns(p: str | Sequence[str] | None) -> list[str]:
     return [p] if isinstance(p, str) else list(p or [])
 
 
-def _covered(name: str, patterns: Sequence[str]) -> str | None:
-    """The first pattern matching ``name`` or one of its ancestors."""
-    parts = name.split(".")
-    prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
-    for pat in patterns:
-        if any(fnmatch.fnmatchcase(pre, pat) for pre in prefixes):
-            return pat
-    return None
-
-
 def _named_explicitly(name: str, patterns: Sequence[str]) -> bool:
     return any(not any(c in pat for c in "*?[") and pat == name for pat in patterns)
 
@@ -271,24 +247,6 @@ def _heads(
             emb = vocab[(d_in, d_out)]
             heads[name] = f"output head (projects onto the {d_out} rows of '{emb}'; {dense})"
     return heads
-
-
-def _choose_rank(
-    name: str, d_in: int, d_out: int, rank: int | None, ratio: float, multiple_of: int
-) -> tuple[int | None, str]:
-    """The rank for one layer, or ``(None, why)`` when a ratio-derived rank is unusable."""
-    m = min(d_in, d_out)
-    if rank is not None:
-        if rank >= m:
-            raise RankError(
-                f"rank {rank} is not below min(d_in, d_out) = {m} of '{name}' "
-                f"({d_in} -> {d_out}): no bottleneck; exclude it or use a smaller rank"
-            )
-        return rank, ""
-    r = int(ratio * m) // multiple_of * multiple_of
-    if r <= 0:
-        return None, f"rank_ratio {ratio} x {m} rounds to 0 (multiple_of={multiple_of})"
-    return r, ""
 
 
 def _cola_init(lr: LowRankLinear, d_in: int, d_out: int, r: int) -> None:

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .convert_rules import LayerConversion, choose_rank, covered
+
 
 def is_routed_experts(mod: nn.Module) -> bool:
     """``transformers``' routed experts in the one form :class:`LowRankExperts` reproduces:
@@ -164,18 +166,17 @@ def plan_experts(
     ``min(d_in, d_out)``: ``rank`` for both (``RankError`` if not below it), or
     ``rank_ratio`` of it rounded to ``multiple_of``. Nothing is modified here.
     """
-    from .convert import _choose_rank, _covered
 
     plan = []
     for name, mod in routed.items():
-        if include and not _covered(name, include):
+        if include and not covered(name, include):
             continue
-        if pat := _covered(name, exclude):
+        if pat := covered(name, exclude):
             report.skipped[name] = f"excluded by {pat!r}"
             continue
         e, two_i, h = mod.gate_up_proj.shape
-        r1, why1 = _choose_rank(f"{name}.gate_up_proj", h, two_i, rank, ratio, multiple_of)
-        r2, why2 = _choose_rank(f"{name}.down_proj", two_i // 2, h, rank, ratio, multiple_of)
+        r1, why1 = choose_rank(f"{name}.gate_up_proj", h, two_i, rank, ratio, multiple_of)
+        r2, why2 = choose_rank(f"{name}.down_proj", two_i // 2, h, rank, ratio, multiple_of)
         if r1 is None or r2 is None:
             report.skipped[name] = why1 or why2
             continue
@@ -192,7 +193,6 @@ def convert_experts(
 ) -> list[Any]:
     """Put ``mod``'s :class:`LowRankExperts` in its place; one report row per projection
     (FLOPs per routed row, i.e. per token and chosen expert)."""
-    from .convert import LayerConversion
 
     new = LowRankExperts.from_dense(mod, ranks, method)
     for parent, attr in owners:
