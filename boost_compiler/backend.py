@@ -24,7 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import lowering
 from ._logging import get_logger
-from .errors import ShardingError
+from .errors import LoweringError, ShardingError
 from .ir.capture import placeholder_names
 from .ir.dump import GraphDumper
 from .options import BoostOptions
@@ -72,6 +72,7 @@ def boost_backend(
 ) -> Callable[..., Any]:
     """torch.compile backend entry point (see module docstring)."""
     opts = BoostOptions.parse(options)
+    _check_lowering(gm, opts)
     params, _ = placeholder_names(gm, example_inputs)
     ctx = PassContext(param_names=params)
     records = {i: r for i, x in enumerate(example_inputs) if (r := shadow_param(x)) is not None}
@@ -111,6 +112,24 @@ def boost_backend(
     else:
         fn = _lower_with_inductor(gm, local_inputs, ran, opts, mode)
     return _with_local_shards(fn, sorted(shards), ctx.tp)
+
+
+def _check_lowering(gm: fx.GraphModule, opts: BoostOptions) -> None:
+    """Refuse what the chosen lowering cannot run, before any pass touches the graph.
+
+    ``torch.compiler.nested_compile_region`` reaches a backend as ``invoke_subgraph``
+    nodes, whose backward torch runs only under AOTAutograd's fake mode: run as-is
+    (``lowering="eager"``) it fails in backward with a bare AssertionError.
+    """
+    if opts.settings["lowering"] != "eager":
+        return
+    hop = torch.ops.higher_order.invoke_subgraph
+    if any(n.op == "call_function" and n.target is hop for n in gm.graph.nodes):
+        raise LoweringError(
+            "options={'lowering': 'eager'} cannot run a graph with "
+            "torch.compiler.nested_compile_region regions (invoke_subgraph: torch runs their "
+            "backward only under AOTAutograd); use the default lowering='inductor'"
+        )
 
 
 def _in_turns(tp: Any, compile_: Callable[[], Any]) -> Any:

@@ -176,3 +176,35 @@ def test_output_of_an_inplace_op_still_aliases_the_written_input(lowering: str) 
     out = torch.compile(model, backend="boost", options=options)(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
+
+
+class _Region(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    @torch.compiler.nested_compile_region
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(self.block(x)).sum()
+
+
+def test_eager_lowering_refuses_nested_compile_regions() -> None:
+    """torch runs invoke_subgraph's backward only under AOTAutograd: run as-is it fails
+    in backward with a bare AssertionError; the backend names the option instead."""
+    from boost_compiler.errors import LoweringError
+
+    torch._dynamo.reset()
+    model, x = _Region(), torch.randn(2, 8, requires_grad=True)
+    run = torch.compile(model, backend="boost", options={"lowering": "eager"})
+    with pytest.raises(Exception) as info:
+        run(x).backward()
+    chain, err = [], info.value
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    assert any(isinstance(e, LoweringError) and "nested_compile_region" in str(e)
+               for e in chain), chain  # fmt: skip
+    torch._dynamo.reset()
