@@ -207,3 +207,38 @@ def convert_experts(
             flops_before=2 * d_in * d_out, flops_after=2 * r * (d_in + d_out), rel_error=err,
         ))  # fmt: skip
     return rows
+
+
+def experts_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Every :class:`LowRankExperts` of ``model``: name -> its shape, ranks, activation (what
+    :func:`rebuild_experts` needs on a fresh dense model; ``hf_io`` records it)."""
+    return {
+        name: {"num_experts": mod.num_experts, "hidden": mod.hidden_dim,
+               "intermediate": mod.intermediate_dim, "ranks": list(mod.ranks),
+               "activation": mod.activation}
+        for name, mod in model.named_modules()
+        if isinstance(mod, LowRankExperts)
+    }  # fmt: skip
+
+
+def experts_mismatch(mod: nn.Module | None, spec: dict[str, Any]) -> str | None:
+    """Why ``mod`` cannot take factored experts of ``spec``'s shape, or None."""
+    if mod is None or not is_routed_experts(mod):
+        return f"{type(mod).__name__ if mod is not None else 'no module'}, not routed experts"
+    e, two_i, h = mod.gate_up_proj.shape
+    want = (spec["num_experts"], spec["hidden"], spec["intermediate"])
+    if (e, h, two_i // 2) != want:
+        return f"experts {e} x (hidden {h}, intermediate {two_i // 2}), not {want}"
+    return None
+
+
+def rebuild_experts(model: nn.Module, name: str, spec: dict[str, Any]) -> None:
+    """Replace ``model``'s routed experts ``name`` (checked by :func:`experts_mismatch`) by
+    empty factored experts of ``spec``'s ranks; values come from a state dict afterwards."""
+    mod = model.get_submodule(name)
+    e, two_i, h = mod.gate_up_proj.shape
+    w = mod.gate_up_proj
+    new = LowRankExperts(e, h, two_i // 2, tuple(spec["ranks"]), act_fn=mod.act_fn,
+                         activation=spec["activation"], device=w.device, dtype=w.dtype)  # fmt: skip
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new.train(mod.training))

@@ -120,13 +120,18 @@ def layout_record(model: nn.Module, method: str | None = None) -> dict[str, Any]
     ``method`` defaults to what the pairs show: ``"cola"`` when each has CoLA's SiLU,
     ``"svd"`` when none has, else ``"mixed"``.
     """
-    modules = low_rank_layout(model)
+    from .convert_experts import experts_layout
+
+    modules, experts = low_rank_layout(model), experts_layout(model)
     if method is None:
-        acts = {spec["activation"] for spec in modules.values()}
+        acts = {spec["activation"] for spec in [*modules.values(), *experts.values()]}
         method = {frozenset({"silu"}): "cola", frozenset({None}): "svd"}.get(
             frozenset(acts), "mixed"
         )
-    return {"format": FORMAT, "method": method, "modules": modules}
+    # routed experts factored per expert (to_low_rank(experts=True)) only where there are:
+    # other records stay as they were
+    return {"format": FORMAT, "method": method, "modules": modules,
+            **({"experts": experts} if experts else {})}  # fmt: skip
 
 
 def record_layout(model: nn.Module, method: str | None = None) -> dict[str, Any]:
@@ -165,7 +170,26 @@ def read_layout(config: Any, where: str = "config.json") -> dict[str, Any] | Non
                 f'out_features, rank > 0, boolean bias and activation null or "silu" (and '
                 f"sparse, when given, a boolean); got {spec}"
             )
+    _check_experts(raw.get("experts", {}), where)
     return dict(raw)
+
+
+def _check_experts(experts: Any, where: str) -> None:
+    ints = ("num_experts", "hidden", "intermediate")
+    for name, spec in experts.items() if isinstance(experts, Mapping) else [("", None)]:
+        ok = (
+            isinstance(spec, Mapping)
+            and all(type(spec.get(k)) is int and spec[k] > 0 for k in ints)
+            and isinstance(spec.get("ranks"), list) and len(spec["ranks"]) == 2
+            and all(type(r) is int and r > 0 for r in spec["ranks"])
+            and spec.get("activation") in (None, "silu")
+        )  # fmt: skip
+        if not ok:
+            raise HFFolderError(
+                f"{where}: {LOW_RANK_KEY} experts '{name}' must have integer num_experts, "
+                f'hidden, intermediate > 0, ranks [r1, r2] > 0 and activation null or "silu"; '
+                f"got {spec}"
+            )
 
 
 def apply_layout(model: nn.Module, layout: Mapping[str, Any]) -> None:
@@ -195,6 +219,7 @@ def apply_layout(model: nn.Module, layout: Mapping[str, Any]) -> None:
                 f"{spec['out_features']}, the model built from this config has {d_in} -> {d_out}"
             )
         plan.append((name, mod, spec))
+    _apply_experts(model, layout.get("experts", {}))
     for name, mod, spec in plan:
         w = mod.weight
         pair = LowRankLinear(
@@ -205,6 +230,22 @@ def apply_layout(model: nn.Module, layout: Mapping[str, Any]) -> None:
         pair.train(mod.training)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, pair)
+
+
+def _apply_experts(model: nn.Module, experts: Mapping[str, Any]) -> None:
+    """The layout's factored routed experts, rebuilt empty; every mismatch is named first."""
+    from .convert_experts import experts_mismatch, rebuild_experts
+
+    modules = dict(model.named_modules())
+    for name, spec in experts.items():  # every check before any replacement
+        wrong = experts_mismatch(modules.get(name), dict(spec))
+        if wrong is not None:
+            raise HFFolderError(
+                f"{LOW_RANK_KEY} lists experts '{name}': {type(model).__name__} built from this "
+                f"config has {wrong} there (another architecture or size?)"
+            )
+    for name, spec in experts.items():
+        rebuild_experts(model, name, dict(spec))
 
 
 def causal_lm_class(config: Any) -> type:

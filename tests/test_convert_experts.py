@@ -9,6 +9,7 @@ tp=2 training step of factored experts is in tests/test_moe.py.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -90,3 +91,29 @@ def test_to_low_rank_experts_opt_in() -> None:
                       "down_proj_down": (4, 16, 32), "down_proj_up": (4, 64, 16)}  # fmt: skip
     with pytest.raises(RankError, match="down_proj"):
         boost_compiler.to_low_rank(build("qwen3_moe"), rank=32, include="*.experts", experts=True)
+
+
+def test_factored_experts_survive_save_and_from_pretrained(tmp_path: Any) -> None:
+    """record_layout writes the factored experts into config.json; from_pretrained rebuilds
+    them (not dense) and loads their factors: the same logits. A record naming a module
+    that is not routed experts is refused by name before anything is replaced."""
+    import json
+
+    from boost_compiler.errors import HFFolderError
+    from boost_compiler.hf_io import LOW_RANK_KEY, record_layout
+
+    model = build("qwen3_moe").eval()
+    boost_compiler.to_low_rank(model, method="svd", rank=16, include="*.experts", experts=True)
+    record = record_layout(model)
+    assert sorted(record["experts"]) == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+    model.save_pretrained(tmp_path / "m")
+    back = boost_compiler.from_pretrained(tmp_path / "m").eval()
+    experts = back.model.layers[1].mlp.experts
+    assert isinstance(experts, LowRankExperts) and experts.ranks == (16, 16)
+    assert _err(_logits(back), _logits(model)) <= FP32_TOL
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    spec = cfg[LOW_RANK_KEY]["experts"].pop("model.layers.1.mlp.experts")
+    cfg[LOW_RANK_KEY]["experts"]["model.layers.1.mlp.gate"] = spec
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFFolderError, match="model.layers.1.mlp.gate"):
+        boost_compiler.from_pretrained(tmp_path / "m")
