@@ -58,9 +58,14 @@ class _PostGrad(CustomGraphPass):
         if self.inner is not None:
             self.inner(graph)
 
-    def uuid(self) -> str:
+    def uuid(self) -> str | None:  # type: ignore[override]
+        if self.inner is None:
+            return _digest(*self.uuids)
         inner = self.inner.uuid() if isinstance(self.inner, CustomGraphPass) else None
-        return _digest(*self.uuids, repr(inner))
+        # A user's pass without a uuid: no key can say what it does, so none is claimed
+        # and Inductor bypasses its cache, as it would for that pass alone (a cached
+        # graph would skip it silently).
+        return None if inner is None else _digest(*self.uuids, inner)
 
 
 def boost_backend(
