@@ -42,10 +42,10 @@ class _PostGrad(CustomGraphPass):
     """The boost passes over Inductor's post-grad graphs, its uuid the whole pipeline's.
 
     Registered as ``post_grad_custom_post_pass``, it runs on the forward and the backward
-    graph (:mod:`.lowering`: collectives started early, waited for late, by polling). The dynamo-graph passes run before
-    Inductor sees the graph, so a changed graph already changes the cache key;
-    metadata-only changes do not: every boost pass's uuid is folded into Inductor's and
-    AOTAutograd's cache keys here, with the post-grad settings.
+    graph (:mod:`.lowering`: collectives split into a start and a polled wait). The
+    dynamo-graph passes run before Inductor sees the graph, so a changed graph already
+    changes the cache key; metadata-only changes do not: every boost pass's uuid is folded
+    into Inductor's and AOTAutograd's cache keys here, with the post-grad settings.
     """
 
     def __init__(self, uuids: Sequence[str], wait: str, overlap: bool, inner: Any = None) -> None:

@@ -49,6 +49,7 @@ BOOST_VARIANTS: dict[str, dict[str, Any]] = {
     "boost-overlap": {"overlap_comm": True},
 }
 TP_SYSTEMS = ("boost", *TORCHTITAN, *NOSP_SYSTEMS, *BOOST_VARIANTS)
+BOOST_SYSTEMS = ("boost", *BOOST_VARIANTS)  # parallelized by boost_compiler
 SINGLE_SYSTEMS = ("eager", "inductor")
 SYSTEMS = TP_SYSTEMS + SINGLE_SYSTEMS
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s not in (*NOSP_SYSTEMS, *BOOST_VARIANTS))
@@ -236,7 +237,7 @@ class _System:
             "params_global": sum(p.numel() for p in self.model.parameters()),
         }
         t0 = time.perf_counter()
-        boost = system == "boost" or system in BOOST_VARIANTS
+        boost = system in BOOST_SYSTEMS
         if tp:
             parallelize("boost" if boost else system, self.model, mesh, batches[0], world)
         self.out["parallelize_s"] = time.perf_counter() - t0
@@ -312,7 +313,7 @@ class _System:
                 dist.all_gather_object(ranks, out["memory"])
                 out["memory_ranks"] = ranks
         out["losses"] = self.losses
-        if self.system == "boost" or self.system in BOOST_VARIANTS:
+        if self.system in BOOST_SYSTEMS:
             out["fallbacks"] = list(self.model.boost_plan.fallbacks)
         return out
 
@@ -361,7 +362,7 @@ def _time_interleaved(
                 for k, v in _cache_counts(counters).items()
                 if v - before.get(k, 0)
             }
-            if system == "boost" or system in BOOST_VARIANTS:
+            if system in BOOST_SYSTEMS:
                 sysrun.out["boost_counters"] = {
                     k: v - boost_before.get(k, 0) for k, v in counters["boost"].items()
                 }

@@ -9,6 +9,7 @@ what runs while it is in flight (:mod:`.overlap`).
 import hashlib
 from pathlib import Path
 
+import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomSchedulerPass
 
 from .overlap import reorder
@@ -20,13 +21,13 @@ SOURCE_DIGEST = hashlib.sha256(
 ).hexdigest()[:16]
 
 
-def post_grad(graph: object, wait: str, overlap: bool) -> int:
+def post_grad(graph: fx.Graph, wait: str, overlap: bool) -> int:
     """Options ``collective_wait`` and ``overlap_comm`` on one post-grad graph: how many
     collectives were split into start and wait (none with ``block`` and no overlap:
     torch's own collectives, untouched)."""
     if wait == "block" and not overlap:
         return 0
-    return split_collectives(graph, wait)  # type: ignore[arg-type]
+    return split_collectives(graph, wait)
 
 
 class OverlapSchedule(CustomSchedulerPass):

@@ -20,7 +20,6 @@ which runs after it, is switched off where this pass is on (``backend.py``).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
 from typing import Any
 
 from .poll_waits import STARTS, WAIT
@@ -49,16 +48,15 @@ def _feeding(nodes: list[Any], deps: dict[Any, list[Any]]) -> set[Any]:
     return out
 
 
-def reorder(nodes: list[Any], deps_of: Callable[[Any], list[Any]] | None = None) -> list[Any]:
+def reorder(nodes: list[Any]) -> list[Any]:
     """``nodes`` (a topological order) re-ordered as the module docstring says."""
     if not any(_op(n) is WAIT for n in nodes):
         return nodes
     by_buffer = {b: n for n in nodes for b in n.get_buffer_names()}
-    deps = {
-        n: (deps_of(n) if deps_of else
-            list({by_buffer[d.name]: None for d in n.unmet_dependencies if d.name in by_buffer}))
+    deps = {  # ordered, each once: the producers in this list of what n still waits for
+        n: list({by_buffer[d.name]: None for d in n.unmet_dependencies if d.name in by_buffer})
         for n in nodes
-    }  # fmt: skip
+    }
     feeding = _feeding(nodes, deps)
     index = {n: i for i, n in enumerate(nodes)}
 
