@@ -51,6 +51,13 @@ SETTINGS: dict[str, Setting] = {
         "(boost_compiler/lowering/overlap.py; off by default: measured neutral on CPU gloo, "
         "whose transfer threads share the cores the overlapped GEMMs run on)",
     ),
+    "compile_blocks": Setting(
+        (bool,),
+        True,
+        "parallelize: the model's repeated blocks (children of one class in a ModuleList) "
+        "become nested compile regions, so a compiled model plans, rewrites and lowers each "
+        "distinct block once and reuses it (False: the whole model as one graph)",
+    ),
     "dump_dir": Setting(
         (str,),
         None,

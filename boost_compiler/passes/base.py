@@ -38,6 +38,13 @@ class PassContext:
     # Set for a model prepared by ``parallelize``: its group and parameter placements.
     tp: Any = None
     fixed: dict[str, Any] = field(default_factory=dict)
+    # A nested compile region's body planned for one set of input placements (its
+    # non-parameter placeholders' by name): the btp pass places them so, and leaves its
+    # outputs as they are (``tp/regions.py``). None for a top-level graph.
+    inputs: dict[str, Any] | None = None
+    # Set by the driver: runs the pipeline on another graph (a region's body) with its own
+    # context, ``run_body(gm, ctx)``.
+    run_body: Any = None
 
     def signature(self) -> str:
         """A stable digest of the analysis results, folded into pass uuids."""
@@ -46,6 +53,7 @@ class PassContext:
             repr(self.bottlenecks),
             repr(self.tp),
             repr(sorted((k, str(v)) for k, v in self.fixed.items())),
+            repr(sorted((k, str(v)) for k, v in (self.inputs or {}).items())),
         )
 
 

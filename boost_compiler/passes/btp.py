@@ -21,10 +21,14 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .._logging import get_logger
+from ..analysis.bottlenecks import Bottleneck
 from ..tp import rules
 from ..tp.apply import shard_graph
 from ..tp.collectives import graph_collectives
-from .base import BoostPass
+from ..tp.placement import Placement
+from ..tp.regions import RegionPlanner
+from ..tp.rules.registry import ShardingResult
+from .base import BoostPass, PassContext
 
 log = get_logger(__name__)
 
@@ -58,8 +62,13 @@ class BottleneckTP(BoostPass):
             tp.rank,
             self.ctx.fixed,
             vocab_parallel=self.setting != "replicated_head",
+            inputs=self.ctx.inputs,
+            regions=RegionPlanner(self._plan_body) if self.ctx.run_body is not None else None,
         )
         self.ctx.notes["btp"] = result
+        if result.regions:
+            log.info("btp: %d region body(ies) planned: %s", len(result.regions),
+                     ", ".join(result.regions))  # fmt: skip
         collectives = graph_collectives(graph)
         fwd = sum(c.forward for c in collectives)
         bwd = sum(c.backward for c in collectives)
@@ -70,3 +79,17 @@ class BottleneckTP(BoostPass):
             bwd,
             len(result.fallbacks),
         )
+
+    def _plan_body(
+        self,
+        body: fx.GraphModule,
+        param_names: dict[str, str],
+        inputs: dict[str, Placement],
+        fixed: dict[str, Placement],
+    ) -> tuple[ShardingResult, list[Bottleneck]]:
+        """The whole pipeline on a region's body, for one layout of its inputs."""
+        ctx = PassContext(param_names, tp=self.ctx.tp, fixed=fixed, inputs=inputs)
+        self.ctx.run_body(body, ctx)
+        result = ctx.notes.get("btp")
+        assert isinstance(result, ShardingResult), "the body's pipeline ran without btp"
+        return result, list(ctx.bottlenecks)

@@ -9,12 +9,14 @@ graph module is recompiled once at the end. A pass's exception propagates unchan
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Sequence
 
 import torch.fx as fx
 
 from .._logging import get_logger
 from ..errors import OptionTypeError
+from ..ir.subgraphs import distinct_bodies
 from ..options import BoostOptions
 from .base import BoostPass, PassContext
 from .pipeline import PIPELINE
@@ -61,6 +63,13 @@ def run_pipeline(
             f"{', '.join(map(repr, required))} cannot be switched off for it "
             f"(switched off: {', '.join(map(repr, off))})"
         )
+    if ctx.run_body is None:  # a region's body gets the same pipeline (``tp/regions.py``)
+        ctx.run_body = functools.partial(
+            run_pipeline, options=options, passes=passes, required=required
+        )
+    if ctx.tp is None:  # no placements to plan bodies for: each distinct body once, here
+        for body, names in distinct_bodies(gm, ctx.param_names):
+            run_pipeline(body, PassContext(names, run_body=ctx.run_body), options, passes)
     todo = enabled_passes(options, passes)
     skipped = [cls.name for cls in _or_pipeline(passes) if cls not in todo]
     if skipped:

@@ -17,14 +17,13 @@ the same numbers without recomputing anything.
 from __future__ import annotations
 
 import itertools
-import operator
-from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._logging import get_logger
+from ..ir.subgraphs import inline_call
 from .base import BoostPass
 
 log = get_logger(__name__)
@@ -67,42 +66,8 @@ class InlineRegions(BoostPass):
 
 
 def _inline(gm: fx.GraphModule, hop: fx.Node, region: int | None) -> None:
-    graph = gm.graph
-    body: fx.GraphModule = getattr(gm, hop.args[0].target)
-    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
-    env: dict[fx.Node, Any] = dict(zip(placeholders, hop.args[1:], strict=True))
-    outputs: Any = None
-    with graph.inserting_before(hop):
-        for node in body.graph.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                outputs = fx.node.map_arg(node.args[0], env.__getitem__)
-                break
-            if node.op == "get_attr":  # a nested region's body: move it to the outer module
-                name = _free_name(gm, f"{hop.args[0].target}_{node.target}")
-                gm.register_module(name, getattr(body, node.target))
-                env[node] = graph.get_attr(name)
-                env[node].meta = dict(node.meta)
-                continue
-            new = graph.node_copy(node, env.__getitem__)
-            new.meta = dict(node.meta)
-            if region is not None:
-                new.meta.setdefault("recompute", CheckpointPolicy.PREFER_RECOMPUTE)
-                new.meta.setdefault("ac_graph_id", region)
-            env[node] = new
-    for user in list(hop.users):
-        if user.target is operator.getitem:
-            user.replace_all_uses_with(outputs[user.args[1]])
-            graph.erase_node(user)
-    if hop.users:  # used as a whole (a single output)
-        hop.replace_all_uses_with(outputs)
-    graph.erase_node(hop)
+    def tag(node: fx.Node) -> None:
+        node.meta.setdefault("recompute", CheckpointPolicy.PREFER_RECOMPUTE)
+        node.meta.setdefault("ac_graph_id", region)
 
-
-def _free_name(gm: fx.GraphModule, base: str) -> str:
-    name, i = base, 0
-    while hasattr(gm, name):
-        i += 1
-        name = f"{base}_{i}"
-    return name
+    inline_call(gm, hop, first_operand=1, tag=tag if region is not None else None)

@@ -26,10 +26,12 @@ import torch.fx as fx
 from ..analysis.bottlenecks import Bottleneck
 from ..ir.op_table import op_kind
 from ..ir.ops import value_of
+from ..ir.subgraphs import drop_unused_bodies
 from . import collectives as C
 from .copy_site import copy_site
 from .placement import P, Placement, R, S, unblock
 from .planner import plan_graph
+from .regions import CallPlan, RegionPlanner
 from .rules.core import requires_grad
 from .rules.registry import ShardingResult
 from .strategy import Read, Strategy
@@ -49,6 +51,7 @@ class Applier:
         self.alias: dict[fx.Node, fx.Node] = {}  # a node -> what its readers read instead
         self.origin: dict[fx.Node, fx.Node] = {}  # and back: what the strategies call it
         self.converted: dict[tuple[fx.Node, Placement], fx.Node] = {}
+        self.bodies: dict[str, fx.Node] = {}  # region bodies installed: attribute -> get_attr
 
     def run(self, plan: dict[fx.Node, Strategy]) -> None:
         for node in list(self.graph.nodes):
@@ -73,6 +76,20 @@ class Applier:
             self._copy_in(node)
         if s.then is not None:
             self._then(node, s)
+        if s.body is not None:
+            self._install(node, s.body)
+
+    def _install(self, call: fx.Node, plan: CallPlan) -> None:
+        """A region call runs the body rewritten for its key, under that body's identifier."""
+        body, gm = plan.body, self.graph.owning_module
+        assert gm is not None, "a region call outside a GraphModule"
+        if getattr(gm, body.attr, None) is not body.body:
+            gm.register_module(body.attr, body.body)  # the first key takes the original's place
+        holder = self.bodies.get(body.attr)
+        if holder is None:
+            with self.graph.inserting_before(call):
+                holder = self.bodies[body.attr] = self.graph.get_attr(body.attr)
+        call.args = (holder, body.identifier, *call.args[2:])
 
     def _convert_inputs(self, node: fx.Node, s: Strategy) -> None:
         for arg in list(node.all_input_nodes):
@@ -256,10 +273,20 @@ def shard_graph(
     rank: int,
     fixed: dict[str, Placement] | None = None,
     vocab_parallel: bool = True,
+    inputs: dict[str, Placement] | None = None,
+    regions: RegionPlanner | None = None,
 ) -> ShardingResult:
-    """Plan ``gm`` for one rank of a ``p``-way group (``planner.plan_graph``), then rewrite it."""
-    walk = plan_graph(gm.graph, param_names, bottlenecks, p, group, rank, fixed, vocab_parallel)
+    """Plan ``gm`` for one rank of a ``p``-way group (``planner.plan_graph``), then rewrite it.
+
+    ``inputs`` and ``regions``: see :func:`~.planner.plan_graph`.
+    """
+    walk = plan_graph(
+        gm.graph, param_names, bottlenecks, p, group, rank, fixed, vocab_parallel, inputs, regions
+    )
     Applier(gm.graph, walk.env, group, rank, p).run(walk.plan)
+    if walk.region_out:
+        drop_unused_bodies(gm)  # the bodies as traced, replaced by their rewrites
     gm.graph.lint()
     gm.recompile()
+    walk.result.outputs = walk.outputs
     return walk.result

@@ -10,6 +10,7 @@ table, so the graph is their only record.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..ir.ops import value_of
+from ..ir.subgraphs import body_of, is_call
 
 #: ``(global shape, dtype)`` of one collective's payload at a node, or None when
 #: the node does not communicate after all (a scatter of a tensor without grad).
@@ -88,10 +90,17 @@ def graph_collectives(graph: fx.Graph) -> list[Collective]:
     """The collectives ``graph`` performs per call, in node order: the only record of them.
 
     A primitive with a backward collective counts in both directions (one
-    :class:`Collective` per row of :data:`COMMUNICATION`).
+    :class:`Collective` per row of :data:`COMMUNICATION`); a region call counts its
+    body's, named ``call.node``.
     """
     found = []
     for node in graph.nodes:
+        if is_call(node):  # a region call: its body's collectives, once per call
+            found += [
+                dataclasses.replace(c, node=f"{node.name}.{c.node}")
+                for c in graph_collectives(body_of(node).graph)
+            ]
+            continue
         rows = COMMUNICATION.get(node.target, ()) if node.op == "call_function" else ()
         for row in rows:
             payload = row.payload(node)

@@ -27,11 +27,12 @@ from torch import nn
 
 from .._logging import get_logger
 from ..backend import boost_backend
-from ..errors import AlreadyParallelizedError, PlanFileError
+from ..errors import AlreadyParallelizedError, CaptureError, PlanFileError
 from ..ir.capture import CapturedGraph, capture
 from ..options import BoostOptions
 from ..passes import TP_REQUIRED, PassContext
 from ..passes.driver import run_pipeline
+from .blocks import mark, marked, repeated_blocks
 from .closures import Rebinding, plan_rebinding, rebind
 from .collectives import graph_collectives
 from .groups import TPGroup, resolve_group
@@ -127,16 +128,13 @@ def parallelize(
     rebindings = plan_rebinding(model)  # raises before anything is modified
     group = resolve_group(tp_mesh)
     forced = _forced_plan(plan, model, group)
-    graphs = capture(
-        model, tuple(example_inputs), example_kwargs,
-        refuse_parameter_writes=True, require_compiled=True,
-    )  # fmt: skip
-
+    blocks = repeated_blocks(model) if opts.settings["compile_blocks"] else []
+    graphs, blocks = _capture(model, tuple(example_inputs), example_kwargs, blocks)
     decided = _plan(graphs, group, opts, forced)
     if forced is not None:
         check_blocks_fit(decided)
     # Every check above ran on the captured copy: nothing was modified before here.
-    _shard_in_place(model, decided, group, dict(options or {}), rebindings)
+    _shard_in_place(model, decided, group, dict(options or {}), rebindings, blocks)
     synchronise_rng(group)
     log.info(
         "parallelized %s over tp=%d: %d bottleneck(s), %d sharded parameter(s)",
@@ -147,6 +145,32 @@ def parallelize(
     )
     model.boost_plan = decided  # type: ignore[assignment]
     return model
+
+
+def _capture(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: Mapping[str, Any] | None,
+    blocks: list[str],
+) -> tuple[list[CapturedGraph], list[str]]:
+    """The model's graphs, its repeated blocks as regions; the blocks that could be.
+
+    A block dynamo cannot trace whole (a graph break inside it) cannot be a region:
+    then the model is captured as one graph, and its blocks are left unmarked.
+    """
+
+    def run() -> list[CapturedGraph]:
+        return capture(model, example_inputs, example_kwargs,
+                       refuse_parameter_writes=True, require_compiled=True)  # fmt: skip
+
+    if blocks:
+        try:
+            with marked(model, blocks):
+                return run(), blocks
+        except CaptureError as exc:
+            log.info("compile_blocks: %s's blocks compile with the whole model (%s)",
+                     type(model).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
+    return run(), []
 
 
 def _forced_plan(
@@ -207,6 +231,7 @@ def _shard_in_place(
     group: TPGroup,
     options: dict[str, Any],
     rebindings: Sequence[Rebinding],
+    blocks: Sequence[str] = (),
 ) -> None:
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     first_name: dict[int, str] = {}
@@ -236,6 +261,7 @@ def _shard_in_place(
         params[key] = local
     shadow = copy.deepcopy(model, memo)
     rebind(shadow, rebindings, memo)  # closures over modules call the shadow's copies
+    mark(shadow, blocks)  # the shadow's blocks only: the model's classes stay its own
     for key, local in params.items():
         for mod, name in owners[key]:
             mod._parameters[name] = local

@@ -187,6 +187,7 @@ class TPPlan:
         """
         empty = ShardingResult()
         result = result or empty
+        bottlenecks = [*bottlenecks, *result.bottlenecks]  # with those inside region bodies
         self.params.update(result.params)
         seen = {(b.down, b.up) for b in self.bottlenecks}
         self.bottlenecks += [b for b in bottlenecks if (b.down, b.up) not in seen]

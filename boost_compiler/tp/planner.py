@@ -23,10 +23,12 @@ from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
 from ..errors import BoostError, MutationError, ShardingError
 from ..ir.ops import shape_of, value_of
+from ..ir.subgraphs import is_call, operands
 from ..ir.writes import is_mutation
 from . import plan_cost as cost
 from .copy_site import copy_site
 from .placement import P, Placement, R
+from .regions import RegionPlanner, merge
 from .rules.core import describe, requires_grad
 from .rules.registry import ShardingResult, reads_blocks, rule_for
 from .strategy import Choice, Cost, CostModel, Strategy, fallback, replicated
@@ -50,11 +52,18 @@ class Walk:
         fixed: dict[str, Placement],
         vocab_parallel: bool,
         cost_model: CostModel,
+        inputs: dict[str, Placement] | None = None,
+        regions: RegionPlanner | None = None,
     ) -> None:
         self.graph, self._param_names, self._role = graph, param_names, role
         self.p, self.group, self.rank, self.vocab_parallel = p, group, rank, vocab_parallel
         self.fixed = dict(fixed)
         self.cost_model = cost_model
+        # A region's body: its inputs' placements (by placeholder name); its outputs keep
+        # theirs (``outputs``). None for a graph whose inputs and outputs are global.
+        self.inputs, self.regions = inputs, regions
+        self.outputs: tuple[Placement, ...] = ()
+        self.region_out: dict[fx.Node, tuple[Placement, ...]] = {}
         self.env: dict[fx.Node, Placement] = {}
         self.open: set[fx.Node] = set()
         self.plan: dict[fx.Node, Strategy] = {}
@@ -116,8 +125,13 @@ class Walk:
             if node.op == "placeholder":
                 self._placeholder(node)
             elif node.op == "output":
-                self._commit(node, replicated())
+                self._commit(node, self._output(node))
                 del self.env[node]
+            elif self.regions is not None and is_call(node):
+                self._commit(node, self._region_call(node))
+            elif _reads_region(node, self.region_out):
+                idx = node.args[1]  # a getitem: one output of a region call
+                self._commit(node, Strategy(out=self.region_out[node.args[0]][idx], copy_in=False))
             elif node.op in ("call_function", "call_method"):
                 self._commit(node, self._strategy(node))
             else:
@@ -125,10 +139,38 @@ class Walk:
         for node in [n for n in self.graph.nodes if n in self.open]:  # only ever read whole
             self._decide(node, R)
 
+    def _output(self, node: fx.Node) -> Strategy:
+        """Outputs read whole; a region body's keep their placements (a partial one summed)."""
+        if self.inputs is None:
+            return replicated()
+        outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
+        s = Strategy(out=R, copy_in=False)
+        for arg in outs:
+            if isinstance(arg, fx.Node) and self.placement(arg) == P:
+                s.read(arg, R, "a region's partial output is summed inside it")
+        self.outputs = tuple(
+            s.reads[a].placement if a in s.reads else self.placement(a) for a in outs
+        )
+        return s
+
+    def _region_call(self, node: fx.Node) -> Strategy:
+        """A region call runs its body planned for its operands' placements (``regions.py``)."""
+        assert self.regions is not None
+        plan = self.regions.plan(self, node)
+        args = operands(node)
+        s = Strategy(out=R, copy_in=False, body=plan)
+        for arg in args:
+            if isinstance(arg, fx.Node) and not self.is_param(arg) and self.placement(arg) == P:
+                s.read(arg, R, "a partial operand of a region is summed before the call")
+        s.fix = {args[i]: pl for i, pl in plan.fix.items()}
+        self.region_out[node] = plan.body.outputs
+        merge(self.result, node, plan)
+        return s
+
     def _placeholder(self, node: fx.Node) -> None:
         fqn = self._param_names.get(node.name)
         if fqn is None:
-            self.env[node] = R
+            self.env[node] = (self.inputs or {}).get(node.name, R)
         elif fqn in self.fixed:
             self.env[node] = self.fixed[fqn]
             self.result.params[fqn] = self.fixed[fqn]
@@ -137,6 +179,8 @@ class Walk:
 
     def _options(self, node: fx.Node) -> list[Strategy]:
         """The strategies the node's rule allows (one, or alternatives to weigh)."""
+        if self.regions is not None and is_call(node):
+            return [Strategy(out=R, copy_in=False)]  # reads its operands as they are
         if not reads_blocks(node) and any(
             (pl := self.peek(a)) is not None and pl.blocks and not self.is_param(a)
             for a in node.all_input_nodes
@@ -298,6 +342,11 @@ class Walk:
             self.planned[(node, s.then.to)] = None
 
 
+def _reads_region(node: fx.Node, region_out: dict[fx.Node, Any]) -> bool:
+    """Whether ``node`` takes one output of a region call (a getitem of it)."""
+    return bool(node.args) and isinstance(node.args[0], fx.Node) and node.args[0] in region_out
+
+
 def _inputs(node: fx.Node, s: Strategy) -> list[fx.Node]:
     """The nodes ``node`` reads once rewritten (its new call's, and a bias added after it)."""
     if s.call is None:
@@ -328,11 +377,15 @@ def plan_graph(
     rank: int,
     fixed: dict[str, Placement] | None = None,
     vocab_parallel: bool = True,
+    inputs: dict[str, Placement] | None = None,
+    regions: RegionPlanner | None = None,
 ) -> Walk:
     """Every node's strategy for one rank of a ``p``-way group; the graph is not changed.
 
     ``fixed`` holds parameter placements decided earlier (the model's shards exist);
-    the others are decided here (``result.params``).
+    the others are decided here (``result.params``). ``inputs``: the graph is a region's
+    body, its non-parameter inputs so placed; ``regions`` plans the region calls it makes
+    (without one, a call reads its operands whole: exact, listed as a fallback).
     """
     role: dict[str, str] = {}
     for b in bottlenecks:
@@ -340,12 +393,12 @@ def plan_graph(
         role[b.up_node] = "up"
     args = (graph, param_names, role, p, group, rank)
     model = CostModel.for_device(_device(graph))
-    first = Walk(*args, fixed or {}, vocab_parallel, model)
+    first = Walk(*args, fixed or {}, vocab_parallel, model, inputs, regions)
     first.run()
     if not first.stale:
         return first
     # Every parameter is fixed now: plan again, so that early readers see the shards.
-    second = Walk(*args, first.fixed, vocab_parallel, model)
+    second = Walk(*args, first.fixed, vocab_parallel, model, inputs, regions)
     second.run()
     second.result.decisions = first.result.decisions
     second.result.params = {k: first.result.params[k] for k in first.result.params}

@@ -166,6 +166,7 @@ class Strategy:
     note: str = ""  # a decision worth recording in the plan, with its reason
     cost: Cost = field(default_factory=Cost)
     label: str = ""  # names this alternative in plan.decisions
+    body: Any = None  # a region call's plan (``tp/regions.py``): the body it runs instead
 
     def read(self, arg: Any, placement: Placement, reason: str = "") -> Strategy:
         if isinstance(arg, fx.Node):

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx as fx
 
@@ -42,6 +43,11 @@ class ShardingResult:
     decisions: list[str] = field(default_factory=list)  # choices made, with their reason
     choices: list[Choice] = field(default_factory=list)  # alternatives weighed, with costs
     predicted: dict[str, Cost] = field(default_factory=dict)  # node -> what it will send
+    # Region bodies (``tp/regions.py``): a body's output placements; the bodies an outer
+    # graph's calls run (identifiers), and the bottlenecks found inside, per call.
+    outputs: tuple[Placement, ...] = ()
+    regions: list[str] = field(default_factory=list)
+    bottlenecks: list[Any] = field(default_factory=list)
 
 
 # One strategy, or alternatives for the planner to weigh by their cost.

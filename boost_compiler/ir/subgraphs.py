@@ -1,0 +1,136 @@
+"""Nested compile regions in a dynamo graph: find the calls, read their bodies, inline them.
+
+``torch.compiler.nested_compile_region`` reaches a backend as ``invoke_subgraph(body,
+identifier, *operands)`` nodes whose ``body`` is a ``get_attr`` of a GraphModule shared by
+every call of the region, followed by ``getitem`` nodes for its outputs; torch traces,
+differentiates and lowers each body once, keyed by ``identifier``. Invariant: what
+:func:`inline_call` leaves computes the same values as the call it replaces (the body's
+nodes copied with its placeholders bound to the operands), so inlining is always an exact
+way out where a body cannot be kept.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+def is_call(node: fx.Node) -> bool:
+    """Whether ``node`` calls a nested compile region."""
+    return node.op == "call_function" and node.target is INVOKE
+
+
+def calls(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if is_call(n)]
+
+
+def body_of(node: fx.Node) -> fx.GraphModule:
+    """The GraphModule a region call runs."""
+    gm = node.graph.owning_module
+    assert gm is not None, "a region call outside a GraphModule"
+    return getattr(gm, node.args[0].target)
+
+
+def operands(node: fx.Node) -> tuple[Any, ...]:
+    """What a region call passes its body's placeholders, in order."""
+    return tuple(node.args[2:])
+
+
+def inline_call(
+    gm: fx.GraphModule,
+    call: fx.Node,
+    first_operand: int = 2,
+    tag: Callable[[fx.Node], None] | None = None,
+) -> None:
+    """Replace ``call`` by a copy of its body's nodes, bound to its operands (exact).
+
+    ``first_operand``: where the operands start in ``call.args`` (2 for ``invoke_subgraph``,
+    1 for ``tag_activation_checkpoint``); ``tag`` sees every copied node.
+    """
+    graph = gm.graph
+    body: fx.GraphModule = getattr(gm, call.args[0].target)
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    env: dict[fx.Node, Any] = dict(zip(placeholders, call.args[first_operand:], strict=True))
+    outputs: Any = None
+    with graph.inserting_before(call):
+        for node in body.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                outputs = fx.node.map_arg(node.args[0], env.__getitem__)
+                break
+            if node.op == "get_attr":  # a nested region's body: move it to the outer module
+                name = free_name(gm, f"{call.args[0].target}_{node.target}")
+                gm.register_module(name, getattr(body, node.target))
+                env[node] = graph.get_attr(name)
+                env[node].meta = dict(node.meta)
+                continue
+            new = graph.node_copy(node, env.__getitem__)
+            new.meta = dict(node.meta)
+            if tag is not None:
+                tag(new)
+            env[node] = new
+    for user in list(call.users):
+        if user.target is operator.getitem:
+            user.replace_all_uses_with(outputs[user.args[1]])
+            graph.erase_node(user)
+    if call.users:  # used as a whole (a single output)
+        call.replace_all_uses_with(outputs)
+    graph.erase_node(call)
+
+
+def inline_all(gm: fx.GraphModule) -> int:
+    """Inline every region call, nested ones too; returns how many were inlined."""
+    n = 0
+    while found := calls(gm.graph):
+        for call in found:
+            inline_call(gm, call)
+            n += 1
+    if n:
+        drop_unused_bodies(gm)
+    return n
+
+
+def drop_unused_bodies(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            gm.graph.erase_node(node)
+    gm.delete_all_unused_submodules()
+
+
+def free_name(gm: fx.GraphModule, base: str) -> str:
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def distinct_bodies(
+    gm: fx.GraphModule, param_names: dict[str, str]
+) -> list[tuple[fx.GraphModule, dict[str, str]]]:
+    """Each body the graph's region calls run, once, with its placeholders' parameter names.
+
+    A body placeholder is named after the parameter its first call passes (``param_names``
+    maps the outer graph's placeholder names to parameter names).
+    """
+    found: dict[str, tuple[fx.GraphModule, dict[str, str]]] = {}
+    for call in calls(gm.graph):
+        target = call.args[0].target
+        if target in found:
+            continue
+        body = body_of(call)
+        holders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        names = {
+            h.name: param_names[a.name]
+            for h, a in zip(holders, operands(call), strict=True)
+            if isinstance(a, fx.Node) and a.name in param_names
+        }
+        found[target] = (body, names)
+    return list(found.values())

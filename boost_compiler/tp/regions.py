@@ -1,0 +1,149 @@
+"""Tensor parallelism across nested compile regions: each block planned once per layout.
+
+A region call (:mod:`boost_compiler.ir.subgraphs`) passes its body a block's activations
+and parameters. Invariant: every call runs a body rewritten for exactly the placements
+its operands have at that call (its *key*: each activation's placement, each parameter's
+fixed placement or "open"), so each call computes its rank's part of the single-device
+result. Calls with one key share one rewritten body, which torch traces and lowers once;
+a call with another key gets its own copy under a new identifier, since torch caches a
+body's compilation by identifier and two rewrites must never share one. The parameters a
+body decides are fixed alike at every call that shares it, under each call's own names.
+A body's outputs keep the placements the body gives them (a partial one is summed inside
+it) and the region's readers read them so. Planning a body runs the whole pass pipeline
+on a copy of it (``plan_body``, given by the btp pass); the outer graph is not changed
+here: the applier installs the bodies (``tp/apply.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch.fx as fx
+
+from ..analysis.bottlenecks import Bottleneck
+from ..ir.subgraphs import body_of, operands
+from .placement import P, Placement, R
+from .rules.registry import ShardingResult
+
+OPEN = "open"  # a parameter operand whose placement the body decides
+
+
+@dataclass
+class BodyPlan:
+    """What planning a body for one key gave: the body to install, and what it decided."""
+
+    body: fx.GraphModule  # the copy, rewritten for this rank
+    identifier: str  # torch's cache key for it: unique per rewritten body
+    attr: str  # the outer module's attribute that will hold it
+    outputs: tuple[Placement, ...]
+    names: dict[int, str]  # operand position -> the parameter it was planned as
+    result: ShardingResult
+    bottlenecks: list[Bottleneck] = field(default_factory=list)
+
+
+@dataclass
+class CallPlan:
+    """One call's plan: its body, and the parameters it fixes (operand position -> placement)."""
+
+    body: BodyPlan
+    fix: dict[int, Placement]
+    rename: dict[str, str]  # the body's parameter names -> this call's
+
+
+class Placements(Protocol):
+    """What the region planner reads of the outer walk (the planner's ``Walk``)."""
+
+    def placement(self, arg: Any) -> Placement: ...
+    def is_open(self, arg: Any) -> bool: ...
+    def is_param(self, arg: Any) -> bool: ...
+    def param_name(self, arg: fx.Node) -> str: ...
+
+
+# (copy of the body, its parameter names, its input placements, fixed parameter placements)
+# -> the btp result and the bottlenecks found; the copy is rewritten in place.
+BodyPlanner = Callable[
+    [fx.GraphModule, dict[str, str], dict[str, Placement], dict[str, Placement]],
+    tuple[ShardingResult, list[Bottleneck]],
+]
+
+
+class RegionPlanner:
+    """Plans region calls for one outer graph, each distinct (body, key) once."""
+
+    def __init__(self, plan_body: BodyPlanner) -> None:
+        self._plan_body = plan_body
+        self._plans: dict[tuple[str, tuple[Any, ...]], BodyPlan] = {}
+        self._per_body: dict[str, int] = {}
+
+    def plan(self, walk: Placements, call: fx.Node) -> CallPlan:
+        args = operands(call)
+        key = tuple(self._key_of(walk, a) for a in args)
+        attr = call.args[0].target
+        found = self._plans.get((attr, key))
+        if found is None:
+            found = self._plans[(attr, key)] = self._plan_new(walk, call, key)
+        rename = {
+            found.names[i]: walk.param_name(a) for i, a in enumerate(args) if i in found.names
+        }
+        fix = {i: found.result.params[found.names[i]] for i, k in enumerate(key) if k == OPEN}
+        return CallPlan(found, fix, rename)
+
+    @staticmethod
+    def _key_of(walk: Placements, arg: Any) -> Any:
+        if not isinstance(arg, fx.Node):
+            return repr(arg)
+        if walk.is_param(arg):
+            return OPEN if walk.is_open(arg) else ("param", walk.placement(arg))
+        pl = walk.placement(arg)
+        return R if pl == P else pl  # a partial operand is summed before the call
+
+    def _plan_new(self, walk: Placements, call: fx.Node, key: tuple[Any, ...]) -> BodyPlan:
+        original = body_of(call)
+        copy = _copy(original)
+        holders = [n for n in copy.graph.nodes if n.op == "placeholder"]
+        names, inputs, fixed = {}, {}, {}
+        for i, (holder, arg) in enumerate(zip(holders, operands(call), strict=True)):
+            if isinstance(arg, fx.Node) and walk.is_param(arg):
+                names[i] = walk.param_name(arg)
+                if key[i] != OPEN:
+                    fixed[names[i]] = key[i][1]
+            elif isinstance(arg, fx.Node):
+                inputs[holder.name] = key[i]
+        result, bottlenecks = self._plan_body(
+            copy, {holders[i].name: n for i, n in names.items()}, inputs, fixed
+        )
+        attr, ident = call.args[0].target, call.args[1]
+        k = self._per_body.get(attr, 0)
+        self._per_body[attr] = k + 1
+        if k:  # a second layout of one body: its own attribute and cache identifier
+            attr, ident = f"{attr}_boost{k}", f"{ident}_boost{k}"
+        return BodyPlan(copy, ident, attr, result.outputs, names, result, bottlenecks)
+
+
+def merge(outer: ShardingResult, call: fx.Node, plan: CallPlan) -> None:
+    """Add one call's share of its body's decisions to the outer graph's result."""
+    inner, where = plan.body.result, f"{call.name} ({plan.body.identifier})"
+    outer.fallbacks += [f"{where}: {msg}" for msg in inner.fallbacks]
+    outer.predicted.update({f"{call.name}.{k}": c for k, c in inner.predicted.items()})
+    outer.bottlenecks += [_renamed(b, plan.rename) for b in plan.body.bottlenecks]
+    outer.bottlenecks += [_renamed(b, plan.rename) for b in inner.bottlenecks]
+    if plan.body.identifier not in outer.regions:  # once per body, not per call
+        outer.regions.append(plan.body.identifier)
+        outer.decisions += inner.decisions
+        outer.choices += inner.choices
+
+
+def _renamed(b: Bottleneck, rename: dict[str, str]) -> Bottleneck:
+    fields = ("down", "up", "down_bias", "up_bias")
+    return dataclasses.replace(b, **{f: rename.get(getattr(b, f), getattr(b, f)) for f in fields})
+
+
+def _copy(body: fx.GraphModule) -> fx.GraphModule:
+    """A body with its own graph (node meta copied shallowly, names kept)."""
+    graph = fx.Graph()
+    out = graph.graph_copy(body.graph, {})
+    graph.output(out)
+    return fx.GraphModule(body, graph, body.__class__.__name__)
