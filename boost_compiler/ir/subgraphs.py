@@ -86,14 +86,16 @@ def inline_call(
 
 
 def inline_all(gm: fx.GraphModule) -> int:
-    """Inline every region call, nested ones too; returns how many were inlined."""
-    n = 0
+    """Inline every region call, nested ones and those inside other bodies (checkpoint
+    regions) too; returns how many were inlined."""
+    n = sum(inline_all(sub) for sub in gm.children() if isinstance(sub, fx.GraphModule))
     while found := calls(gm.graph):
         for call in found:
             inline_call(gm, call)
             n += 1
     if n:
         drop_unused_bodies(gm)
+        gm.recompile()
     return n
 
 

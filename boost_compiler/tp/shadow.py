@@ -236,7 +236,12 @@ class ShadowForward:
             # Raised limits, for both routes (our eager compile and the user's
             # torch.compile): each frame of the shadow is compiled once per module
             # instance, and one that passes the limit can only fail, never fall back.
+            # specialize_float: under dynamic shapes dynamo makes a module's float
+            # attribute (a norm's eps) a tensor, and its tensorify pass turns that back
+            # into a float in the top graph only; a nested compile region's body
+            # (``compile_blocks``) kept ``eps.item()`` on what arrives as a float.
             with cfg.patch(
+                specialize_float=True,
                 fail_on_recompile_limit_hit=True,
                 recompile_limit=max(cfg.recompile_limit, SHADOW_RECOMPILE_LIMIT),
                 accumulated_recompile_limit=max(
