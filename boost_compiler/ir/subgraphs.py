@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 INVOKE = torch.ops.higher_order.invoke_subgraph
+_SIZE_METHODS = ("size", "dim", "stride")
 
 
 def is_call(node: fx.Node) -> bool:
@@ -76,6 +77,7 @@ def inline_call(
             if tag is not None:
                 tag(new)
             env[node] = new
+    drop_dead_size_queries(graph)
     for user in list(call.users):
         if user.target is operator.getitem:
             user.replace_all_uses_with(outputs[user.args[1]])
@@ -97,6 +99,29 @@ def inline_all(gm: fx.GraphModule) -> int:
         drop_unused_bodies(gm)
         gm.recompile()
     return n
+
+
+def _size_query(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _SIZE_METHODS
+    return (
+        node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and (_size_query(node.args[0]))
+    )
+
+
+def drop_dead_size_queries(graph: fx.Graph) -> None:
+    """Erase ``x.size()`` (and its items) that nothing reads.
+
+    Dynamo leaves them in a region's body under dynamic shapes (``b, s, _ = x.shape``
+    whose sizes come in as symbols), where they would read a sharded value for nothing.
+    They are pure; a general dead-code sweep would also take in-place ops still to be
+    functionalized.
+    """
+    for node in reversed(list(graph.nodes)):
+        if not node.users and _size_query(node):
+            graph.erase_node(node)
 
 
 def drop_unused_bodies(gm: fx.GraphModule) -> None:

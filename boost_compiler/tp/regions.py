@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch.fx as fx
 
 from ..analysis.bottlenecks import Bottleneck
-from ..ir.subgraphs import body_of, operands
+from ..ir.subgraphs import body_of, drop_dead_size_queries, operands
 from .placement import P, Placement, R
 from .rules.registry import ShardingResult
 
@@ -146,4 +146,5 @@ def _copy(body: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     out = graph.graph_copy(body.graph, {})
     graph.output(out)
+    drop_dead_size_queries(graph)
     return fx.GraphModule(body, graph, body.__class__.__name__)
