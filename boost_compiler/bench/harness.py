@@ -166,12 +166,15 @@ def dtensor_plan(strategy: str, n_layers: int) -> dict[str, Any]:
     return plan
 
 
-def parallelize(strategy: str, model: nn.Module, mesh: Any, ids: torch.Tensor, world: int) -> None:
-    """Shard ``model`` in place for ``strategy`` on the 1-D ``mesh``."""
+def parallelize(
+    strategy: str, model: nn.Module, mesh: Any, ids: torch.Tensor, world: int,
+    options: dict[str, Any] | None = None,
+) -> None:  # fmt: skip
+    """Shard ``model`` in place for ``strategy`` on the 1-D ``mesh`` (boost: ``options``)."""
     if strategy in ("boost", "boost-btp", BOOST_DENSE):
         import boost_compiler
 
-        options = BTP_ONLY if strategy == "boost-btp" else None
+        options = BTP_ONLY if strategy == "boost-btp" else options
         boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids}, options=options)
         return
     if strategy in TORCHTITAN:

@@ -23,10 +23,12 @@ timed in interleaved rounds (``training.py``), so a drifting background load hit
                      same compile, ``--tp`` processes.
 ``inductor``         the low-rank model on one process, ``torch.compile(model)``.
 ``eager``            the low-rank model on one process, eager.
-``boost-block``, ``boost-overlap`` (not in the defaults): BOOST with torch's blocking
-                     collective waits instead of polled ones, or with communication
-                     overlapped with compute (options ``collective_wait``,
-                     ``overlap_comm``): each lowering lever on and off in the same run.
+``boost-block``, ``boost-overlap``, ``boost-whole`` (not in the defaults): BOOST with
+                     torch's blocking collective waits instead of polled ones, with
+                     communication overlapped with compute (options ``collective_wait``,
+                     ``overlap_comm``), or compiled as one graph instead of per block
+                     (``parallelize(..., options={"compile_blocks": False})``): each
+                     lever on and off in the same run.
 ``dtensor-lowrank-nosp``, ``dtensor-dense-nosp`` (not in the defaults): the previous
                      baselines, Megatron in the blocks only (embedding, norms, head and the
                      full logits and loss replicated), ``torch.compile(model)``.

@@ -47,7 +47,10 @@ NOSP_SYSTEMS = NOSP  # extra systems, not in the defaults
 BOOST_VARIANTS: dict[str, dict[str, Any]] = {
     "boost-block": {"collective_wait": "block"},
     "boost-overlap": {"overlap_comm": True},
+    "boost-whole": {},
 }
+# Variants parallelized with other options: the whole model as one compiled graph.
+BOOST_PARALLELIZE: dict[str, dict[str, Any]] = {"boost-whole": {"compile_blocks": False}}
 TP_SYSTEMS = ("boost", *TORCHTITAN, *NOSP_SYSTEMS, *BOOST_VARIANTS)
 BOOST_SYSTEMS = ("boost", *BOOST_VARIANTS)  # parallelized by boost_compiler
 SINGLE_SYSTEMS = ("eager", "inductor")
@@ -239,7 +242,8 @@ class _System:
         t0 = time.perf_counter()
         boost = system in BOOST_SYSTEMS
         if tp:
-            parallelize("boost" if boost else system, self.model, mesh, batches[0], world)
+            parallelize("boost" if boost else system, self.model, mesh, batches[0], world,
+                        BOOST_PARALLELIZE.get(system))  # fmt: skip
         self.out["parallelize_s"] = time.perf_counter() - t0
         if boost:
             from boost_compiler.costmodel import plan_comm
