@@ -9,11 +9,13 @@ that splits ``w``). When such a parameter was split later, a second walk plans e
 node again with all parameters fixed, so that early reader is planned for the shard,
 not patched afterwards; the second walk is exactly what a graph compiled later (or a
 forced plan) gets, since its parameters are fixed from the start.
-The strategies go to the one applier (``tp/apply.py``).
+A nested compile region's call is one node whose body is planned once per layout of its
+operands (``tp/regions.py``). The strategies go to the one applier (``tp/apply.py``).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -344,7 +346,11 @@ class Walk:
 
 def _reads_region(node: fx.Node, region_out: dict[fx.Node, Any]) -> bool:
     """Whether ``node`` takes one output of a region call (a getitem of it)."""
-    return bool(node.args) and isinstance(node.args[0], fx.Node) and node.args[0] in region_out
+    return (
+        node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0] in region_out
+    )
 
 
 def _inputs(node: fx.Node, s: Strategy) -> list[fx.Node]:
