@@ -78,7 +78,6 @@ def boost_backend(
 ) -> Callable[..., Any]:
     """torch.compile backend entry point (see module docstring)."""
     opts = BoostOptions.parse(options)
-    _inline_for_eager(gm, opts)
     params, _ = placeholder_names(gm, example_inputs)
     ctx = PassContext(param_names=params)
     records = {i: r for i, x in enumerate(example_inputs) if (r := shadow_param(x)) is not None}
@@ -97,6 +96,7 @@ def boost_backend(
             "compile", input_shapes(example_inputs), list(getattr(btp, "fallbacks", [])),
             len(graph_collectives(gm.graph)), predicted_bytes(btp) if btp is not None else 0.0,
         )  # fmt: skip
+    _inline_for_eager(gm, opts)  # after the passes: each body was planned as it compiles
     counters["boost"]["graphs"] += 1
     counters["boost"]["bottlenecks"] += len(ctx.bottlenecks)
     log.info(
@@ -125,7 +125,10 @@ def _inline_for_eager(gm: fx.GraphModule, opts: BoostOptions) -> None:
 
     ``torch.compiler.nested_compile_region`` reaches a backend as ``invoke_subgraph``
     nodes, whose backward torch runs only under AOTAutograd's fake mode: run as-is the
-    graph fails in backward with a bare AssertionError. Inlined, the graph is plain.
+    graph fails in backward with a bare AssertionError. Inlined, the graph is plain. The
+    bodies are inlined as the passes left them, so an eager run and a compiled one of a
+    parallelized model run the same per-block plan (planned whole, a model's parameters
+    fixed per block could meet a rule that wants them otherwise: a gather).
     """
     if opts.settings["lowering"] == "eager" and (n := inline_all(gm)):
         log.debug("boost: %d nested compile region call(s) inlined for eager lowering", n)
@@ -220,13 +223,17 @@ def _lower_with_inductor(
     if mode not in (None, "default"):
         patches.update(list_mode_options(mode))
     patches.update(opts.settings["inductor_config"] or {})
-    if calls(gm.graph):
-        # torch 2.13's Inductor lets a nested compile region's body reuse the buffer of one
-        # of its own inputs (in backward: the incoming gradient, which the caller still
-        # reads), so every call but the last computed wrong gradients: 10% off on a
-        # CoLA block's norm weights (tests/test_blocks.py). Without buffer reuse the
-        # bodies are exact; the buffers are still freed when dead.
+    regions = bool(calls(gm.graph))
+    if regions:
+        # torch 2.13's Inductor takes a nested compile region's inputs for its own: a body
+        # reused the buffer of its incoming gradient (which the caller still reads), and
+        # wrote a pointwise result in place into the block's input (which its backward
+        # still reads), so every call but the last computed wrong weight gradients: 10%
+        # off on a CoLA block's norm weights, 63% on a block whose input is written after
+        # it (tests/test_blocks.py, tests/test_mutation.py). Without buffer reuse and
+        # in-place buffers the bodies are exact; buffers are still freed when dead.
         patches["allow_buffer_reuse"] = False
+        patches["inplace_buffers"] = False
     user_pass = patches.get(
         "post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass
     )
@@ -241,8 +248,11 @@ def _lower_with_inductor(
         # its peak-memory re-ordering runs after, and would undo the overlap
         patches.setdefault("reorder_for_peak_memory", False)
     # Inductor config must travel as config_patches: a `with config.patch()`
-    # around compile_fx would miss the lazily compiled backward graph.
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    # around compile_fx would miss the lazily compiled backward graph. Donated backward
+    # buffers are decided here, in the forward's compile: with regions, torch 2.13 applies
+    # the top graph's donation indices to a body's inputs (pytorch/pytorch#193960).
+    with torch._functorch.config.patch(donated_buffer=not regions):
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 __all__ = ["boost_backend"]

@@ -124,16 +124,39 @@ class RegionPlanner:
 
 
 def merge(outer: ShardingResult, call: fx.Node, plan: CallPlan) -> None:
-    """Add one call's share of its body's decisions to the outer graph's result."""
+    """Add one call's share of its body's decisions to the outer graph's result.
+
+    Decisions and choices name the module a node was traced in, the first call's
+    (``layers.0``): each call's copy names its own, so the plan lists them per layer, as
+    the model planned as one graph does.
+    """
     inner, where = plan.body.result, f"{call.name} ({plan.body.identifier})"
-    outer.fallbacks += [f"{where}: {msg}" for msg in inner.fallbacks]
+    here = _at_call(plan.rename)
+    outer.fallbacks += [f"{where}: {here(msg)}" for msg in inner.fallbacks]
     outer.predicted.update({f"{call.name}.{k}": c for k, c in inner.predicted.items()})
     outer.bottlenecks += [_renamed(b, plan.rename) for b in plan.body.bottlenecks]
     outer.bottlenecks += [_renamed(b, plan.rename) for b in inner.bottlenecks]
-    if plan.body.identifier not in outer.regions:  # once per body, not per call
+    outer.decisions += [here(d) for d in inner.decisions]
+    outer.choices += [dataclasses.replace(c, where=here(c.where)) for c in inner.choices]
+    if plan.body.identifier not in outer.regions:
         outer.regions.append(plan.body.identifier)
-        outer.decisions += inner.decisions
-        outer.choices += inner.choices
+
+
+def _at_call(rename: dict[str, str]) -> Callable[[str], str]:
+    """Rewrites a text naming the body's module path (``layers.0.``) with the call's."""
+    pairs = {_differing_prefix(a, b) for a, b in rename.items()}
+    if len(pairs) != 1 or not (pair := next(iter(pairs)))[0]:
+        return lambda text: text  # the first call, or no one module path to swap
+    old, new = f"{pair[0]}.", f"{pair[1]}."
+    return lambda text: text.replace(old, new)
+
+
+def _differing_prefix(a: str, b: str) -> tuple[str, str]:
+    """``("layers.0", "layers.1")`` for ``layers.0.attn.q.weight``, ``layers.1.attn.q.weight``."""
+    pa, pb = a.split("."), b.split(".")
+    while pa and pb and pa[-1] == pb[-1]:
+        pa, pb = pa[:-1], pb[:-1]
+    return ".".join(pa), ".".join(pb)
 
 
 def _renamed(b: Bottleneck, rename: dict[str, str]) -> Bottleneck:
