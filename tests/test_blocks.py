@@ -182,3 +182,29 @@ def test_a_block_input_written_after_the_call_keeps_its_gradient() -> None:
         err = ((p.grad - q.grad).norm() / q.grad.norm()).item()
         assert err <= 1e-5, (name, err)
     torch._dynamo.reset()
+
+
+def test_a_bottleneck_across_blocks_keeps_the_whole_model_route() -> None:
+    """Dense MLPs: the down projection narrows to the hidden and the next block's gate
+    widens it, a pair found across the residual that no block's body sees alone; planned
+    per block, the MLPs would stay whole. parallelize compiles such a model as one graph."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from benchmarks.hybrid_mlp import make_hybrid
+    from boost_compiler.bench.harness import ModelSpec
+
+    spec = ModelSpec(d=64, ff=176, rank=16, layers=2, heads=4, vocab=256, seq=16)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    plans, shadows = [], []
+    with fake_process_group(2):
+        mesh = init_device_mesh("cpu", (2,))
+        for blocks in (True, False):
+            model = make_hybrid(spec)
+            opts = {"compile_blocks": blocks}
+            boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids}, options=opts)
+            plans.append(model.boost_plan)
+            shadows.append(boost_compiler.parallel_state(model).shadow)
+    assert plans[0].params == plans[1].params
+    assert str(plans[0].params["layers.1.mlp.gate_proj.weight"]) == "S(0)"
+    assert plans[0].decisions == plans[1].decisions
+    assert type(shadows[0].layers[0]) is type(shadows[1].layers[0])  # not a region

@@ -124,6 +124,15 @@ def drop_dead_size_queries(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
+def inlined_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with every region call inlined (``gm`` and its bodies untouched)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = fx.GraphModule(gm, graph, gm.__class__.__name__)
+    inline_all(copy)
+    return copy
+
+
 def drop_unused_bodies(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:

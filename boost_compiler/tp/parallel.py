@@ -16,6 +16,7 @@ attribute, which ``nn.Module`` methods reach the shadow) is :mod:`.shadow`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from .._logging import get_logger
 from ..backend import boost_backend
 from ..errors import AlreadyParallelizedError, CaptureError, PlanFileError
 from ..ir.capture import CapturedGraph, capture
+from ..ir.subgraphs import inlined_copy
 from ..options import BoostOptions
 from ..passes import TP_REQUIRED, PassContext
 from ..passes.driver import run_pipeline
@@ -130,7 +132,13 @@ def parallelize(
     forced = _forced_plan(plan, model, group)
     blocks = repeated_blocks(model) if opts.settings["compile_blocks"] else []
     graphs, blocks = _capture(model, tuple(example_inputs), example_kwargs, blocks)
+    whole = [dataclasses.replace(g, gm=inlined_copy(g.gm)) for g in graphs] if blocks else []
     decided = _plan(graphs, group, opts, forced)
+    if blocks and not _same_placements(model, decided, _plan(whole, group, opts, forced)):
+        # Planned again from a capture without regions: the inlined copy's nodes all
+        # carry the first block's module path, which the plan's decisions would report.
+        graphs, blocks = _capture(model, tuple(example_inputs), example_kwargs, [])
+        decided = _plan(graphs, group, opts, forced)
     if forced is not None:
         check_blocks_fit(decided)
     # Every check above ran on the captured copy: nothing was modified before here.
@@ -171,6 +179,25 @@ def _capture(
             log.info("compile_blocks: %s's blocks compile with the whole model (%s)",
                      type(model).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
     return run(), []
+
+
+def _same_placements(model: nn.Module, per_block: TPPlan, whole: TPPlan) -> bool:
+    """Whether the per-block plan places every parameter as the model planned whole does.
+
+    A bottleneck can span blocks (a dense MLP's down projection narrows to the hidden, and
+    the next block's gate widens it again: found across the residual), which a block's
+    body cannot see: planned alone, such a block keeps the dense projections whole.
+    """
+    differ = [n for n, pl in whole.params.items() if per_block.params.get(n) != pl]
+    if differ:
+        name = differ[0]
+        log.info(
+            "compile_blocks: %s compiles as one graph: planned whole it places %d "
+            "parameter(s) otherwise than block by block (%r: %s whole, %s per block)",
+            type(model).__name__, len(differ), name, whole.params[name],
+            per_block.params.get(name),
+        )  # fmt: skip
+    return not differ
 
 
 def _forced_plan(
