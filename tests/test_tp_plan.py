@@ -157,7 +157,10 @@ def test_inductor_graphs_hold_exactly_the_planned_collectives() -> None:
         boost_compiler.parallelize(model, dist.group.WORLD, (ids,), {"labels": ids})
         seen: list[torch.fx.GraphModule] = []
         record = {"post_grad_custom_pre_pass": lambda g: seen.append(g.owning_module)}
-        run = torch.compile(model, backend="boost", options={"inductor_config": record})
+        # Blocking waits: torch's collectives as they are (the split into polled starts and
+        # waits runs on a body before its caller's pre-pass: tests/test_poll_waits.py).
+        options = {"inductor_config": record, "collective_wait": "block"}
+        run = torch.compile(model, backend="boost", options=options)
         run(ids, labels=ids).backward()
         # Inductor passes the decoder block's body (a region: compile_blocks) and then the
         # graph calling it; what runs is the caller's collectives with the body's per call.
