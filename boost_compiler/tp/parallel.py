@@ -28,7 +28,7 @@ from torch import nn
 
 from .._logging import get_logger
 from ..backend import boost_backend
-from ..errors import AlreadyParallelizedError, CaptureError, PlanFileError
+from ..errors import AlreadyParallelizedError, BoostError, PlanFileError
 from ..ir.capture import CapturedGraph, capture
 from ..ir.subgraphs import inlined_copy
 from ..options import BoostOptions
@@ -164,7 +164,8 @@ def _capture(
     """The model's graphs, its repeated blocks as regions; the blocks that could be.
 
     A block dynamo cannot trace whole (a graph break inside it) cannot be a region:
-    then the model is captured as one graph, and its blocks are left unmarked.
+    then the model is captured as one graph, and its blocks are left unmarked. Any
+    refusal of the capture with regions is retried so, and only that capture's raises.
     """
 
     def run() -> list[CapturedGraph]:
@@ -175,7 +176,7 @@ def _capture(
         try:
             with marked(model, blocks):
                 return run(), blocks
-        except CaptureError as exc:
+        except BoostError as exc:  # the capture without regions says what is wrong, if anything
             log.info("compile_blocks: %s's blocks compile with the whole model (%s)",
                      type(model).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
     return run(), []
