@@ -22,11 +22,6 @@ class OptionTypeError(OptionError, TypeError):
     """A known option given a value of the wrong type or outside its choices."""
 
 
-class LoweringError(OptionError):
-    """An option combination the chosen lowering cannot run (e.g. ``lowering="eager"`` on a
-    graph with ``torch.compiler.nested_compile_region`` regions)."""
-
-
 class CaptureError(BoostError, RuntimeError):
     """The model could not be captured as an FX graph with the example inputs."""
 
