@@ -124,11 +124,16 @@ def drop_dead_size_queries(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def inlined_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with every region call inlined (``gm`` and its bodies untouched)."""
+def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with its own graph (node meta copied shallowly, names kept, submodules shared)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    copy = fx.GraphModule(gm, graph, gm.__class__.__name__)
+    return fx.GraphModule(gm, graph, gm.__class__.__name__)
+
+
+def inlined_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with every region call inlined (``gm`` and its bodies untouched)."""
+    copy = graph_copy(gm)
     inline_all(copy)
     return copy
 

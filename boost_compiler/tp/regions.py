@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch.fx as fx
 
 from ..analysis.bottlenecks import Bottleneck
-from ..ir.subgraphs import body_of, drop_dead_size_queries, operands
+from ..ir.subgraphs import body_of, drop_dead_size_queries, graph_copy, operands
 from .placement import P, Placement, R
 from .rules.registry import ShardingResult
 
@@ -165,9 +165,8 @@ def _renamed(b: Bottleneck, rename: dict[str, str]) -> Bottleneck:
 
 
 def _copy(body: fx.GraphModule) -> fx.GraphModule:
-    """A body with its own graph (node meta copied shallowly, names kept)."""
-    graph = fx.Graph()
-    out = graph.graph_copy(body.graph, {})
-    graph.output(out)
-    drop_dead_size_queries(graph)
-    return fx.GraphModule(body, graph, body.__class__.__name__)
+    """A body with its own graph, without the size queries nothing reads."""
+    copy = graph_copy(body)
+    drop_dead_size_queries(copy.graph)
+    copy.recompile()
+    return copy
