@@ -15,7 +15,6 @@ operands (``tp/regions.py``). The strategies go to the one applier (``tp/apply.p
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -25,12 +24,18 @@ from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
 from ..errors import BoostError, MutationError, ShardingError
 from ..ir.ops import shape_of, value_of
-from ..ir.subgraphs import is_call, operands
+from ..ir.subgraphs import is_call
 from ..ir.writes import is_mutation
 from . import plan_cost as cost
 from .copy_site import copy_site
 from .placement import P, Placement, R
-from .regions import RegionPlanner, merge
+from .regions import (
+    RegionPlanner,
+    call_strategy,
+    output_strategy,
+    reads_region,
+    region_output_strategy,
+)
 from .rules.core import describe, requires_grad
 from .rules.registry import ShardingResult, reads_blocks, rule_for
 from .strategy import Choice, Cost, CostModel, Strategy, fallback, replicated
@@ -127,47 +132,19 @@ class Walk:
             if node.op == "placeholder":
                 self._placeholder(node)
             elif node.op == "output":
-                self._commit(node, self._output(node))
+                s, self.outputs = output_strategy(self, node)
+                self._commit(node, s)
                 del self.env[node]
             elif self.regions is not None and is_call(node):
-                self._commit(node, self._region_call(node))
-            elif _reads_region(node, self.region_out):
-                idx = node.args[1]  # a getitem: one output of a region call
-                self._commit(node, Strategy(out=self.region_out[node.args[0]][idx], copy_in=False))
+                self._commit(node, call_strategy(self, node, self.regions))
+            elif reads_region(node, self.region_out):
+                self._commit(node, region_output_strategy(node, self.region_out))
             elif node.op in ("call_function", "call_method"):
                 self._commit(node, self._strategy(node))
             else:
                 self.env[node] = R
         for node in [n for n in self.graph.nodes if n in self.open]:  # only ever read whole
             self._decide(node, R)
-
-    def _output(self, node: fx.Node) -> Strategy:
-        """Outputs read whole; a region body's keep their placements (a partial one summed)."""
-        if self.inputs is None:
-            return replicated()
-        outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
-        s = Strategy(out=R, copy_in=False)
-        for arg in outs:
-            if isinstance(arg, fx.Node) and self.placement(arg) == P:
-                s.read(arg, R, "a region's partial output is summed inside it")
-        self.outputs = tuple(
-            s.reads[a].placement if a in s.reads else self.placement(a) for a in outs
-        )
-        return s
-
-    def _region_call(self, node: fx.Node) -> Strategy:
-        """A region call runs its body planned for its operands' placements (``regions.py``)."""
-        assert self.regions is not None
-        plan = self.regions.plan(self, node)
-        args = operands(node)
-        s = Strategy(out=R, copy_in=False, body=plan)
-        for arg in args:
-            if isinstance(arg, fx.Node) and not self.is_param(arg) and self.placement(arg) == P:
-                s.read(arg, R, "a partial operand of a region is summed before the call")
-        s.fix = {args[i]: pl for i, pl in plan.fix.items()}
-        self.region_out[node] = plan.body.outputs
-        merge(self.result, node, plan)
-        return s
 
     def _placeholder(self, node: fx.Node) -> None:
         fqn = self._param_names.get(node.name)
@@ -342,15 +319,6 @@ class Walk:
         self.env[node] = s.then.to if s.then is not None else s.out
         if s.then is not None:
             self.planned[(node, s.then.to)] = None
-
-
-def _reads_region(node: fx.Node, region_out: dict[fx.Node, Any]) -> bool:
-    """Whether ``node`` takes one output of a region call (a getitem of it)."""
-    return (
-        node.target is operator.getitem
-        and isinstance(node.args[0], fx.Node)
-        and node.args[0] in region_out
-    )
 
 
 def _inputs(node: fx.Node, s: Strategy) -> list[fx.Node]:

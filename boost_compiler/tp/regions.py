@@ -17,6 +17,7 @@ here: the applier installs the bodies (``tp/apply.py``).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,6 +28,7 @@ from ..analysis.bottlenecks import Bottleneck
 from ..ir.subgraphs import body_of, drop_dead_size_queries, graph_copy, operands
 from .placement import P, Placement, R
 from .rules.registry import ShardingResult
+from .strategy import Strategy, replicated
 
 OPEN = "open"  # a parameter operand whose placement the body decides
 
@@ -60,6 +62,14 @@ class Placements(Protocol):
     def is_open(self, arg: Any) -> bool: ...
     def is_param(self, arg: Any) -> bool: ...
     def param_name(self, arg: fx.Node) -> str: ...
+
+
+class RegionWalk(Placements, Protocol):
+    """The outer walk where it plans a call: its record, and its calls' output placements."""
+
+    inputs: dict[str, Placement] | None  # set when the walked graph is itself a body
+    result: ShardingResult
+    region_out: dict[fx.Node, tuple[Placement, ...]]
 
 
 # (copy of the body, its parameter names, its input placements, fixed parameter placements)
@@ -121,6 +131,47 @@ class RegionPlanner:
         if k:  # a second layout of one body: its own attribute and cache identifier
             attr, ident = f"{attr}_boost{k}", f"{ident}_boost{k}"
         return BodyPlan(copy, ident, attr, result.outputs, names, result, bottlenecks)
+
+
+def call_strategy(walk: RegionWalk, node: fx.Node, regions: RegionPlanner) -> Strategy:
+    """A region call runs its body planned for its operands' placements."""
+    plan = regions.plan(walk, node)
+    args = operands(node)
+    s = Strategy(out=R, copy_in=False, body=plan)
+    for arg in args:
+        if isinstance(arg, fx.Node) and not walk.is_param(arg) and walk.placement(arg) == P:
+            s.read(arg, R, "a partial operand of a region is summed before the call")
+    s.fix = {args[i]: pl for i, pl in plan.fix.items()}
+    walk.region_out[node] = plan.body.outputs
+    merge(walk.result, node, plan)
+    return s
+
+
+def reads_region(node: fx.Node, region_out: dict[fx.Node, Any]) -> bool:
+    """Whether ``node`` takes one output of a region call (a getitem of it)."""
+    return (
+        node.target is operator.getitem
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0] in region_out
+    )
+
+
+def region_output_strategy(node: fx.Node, region_out: dict[fx.Node, Any]) -> Strategy:
+    """One output of a region call (a getitem) is placed as the body left it."""
+    return Strategy(out=region_out[node.args[0]][node.args[1]], copy_in=False)
+
+
+def output_strategy(walk: RegionWalk, node: fx.Node) -> tuple[Strategy, tuple[Placement, ...]]:
+    """The graph's outputs, and the placements they leave with: read whole, except a
+    body's, which keep their placements (a partial one summed)."""
+    if walk.inputs is None:
+        return replicated(), ()
+    outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else (node.args[0],)
+    s = Strategy(out=R, copy_in=False)
+    for arg in outs:
+        if isinstance(arg, fx.Node) and walk.placement(arg) == P:
+            s.read(arg, R, "a region's partial output is summed inside it")
+    return s, tuple(s.reads[a].placement if a in s.reads else walk.placement(a) for a in outs)
 
 
 def merge(outer: ShardingResult, call: fx.Node, plan: CallPlan) -> None:
