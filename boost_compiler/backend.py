@@ -28,6 +28,7 @@ from .errors import ShardingError
 from .ir.capture import placeholder_names
 from .ir.dump import GraphDumper
 from .ir.subgraphs import calls, inline_all
+from .lowering import symm_mem
 from .options import BoostOptions
 from .passes import TP_REQUIRED, BoostPass, PassContext
 from .passes.base import _digest
@@ -114,9 +115,11 @@ def boost_backend(
     if opts.settings["lowering"] == "eager":
         fn: Callable[..., Any] = gm.forward
     elif opts.settings["compile_in_turns"]:
-        fn = _in_turns(ctx.tp, lambda: _lower_with_inductor(gm, local_inputs, ran, opts, mode))
+        fn = _in_turns(
+            ctx.tp, lambda: _lower_with_inductor(gm, local_inputs, ran, opts, mode, ctx.tp)
+        )
     else:
-        fn = _lower_with_inductor(gm, local_inputs, ran, opts, mode)
+        fn = _lower_with_inductor(gm, local_inputs, ran, opts, mode, ctx.tp)
     return _with_local_shards(fn, sorted(shards), ctx.tp)
 
 
@@ -208,12 +211,26 @@ def _with_local_shards(fn: Callable[..., Any], positions: list[int], tp: Any) ->
     return run
 
 
+def _symm_mem_patches(tp: Any, opts: BoostOptions) -> dict[str, Any]:
+    """Option ``symm_mem_all_reduce`` on the group ``tp`` (``lowering/symm_mem.py``)."""
+    if not opts.settings["symm_mem_all_reduce"]:
+        return {}
+    import torch.distributed as dist
+
+    pg = dist.distributed_c10d._resolve_process_group(tp.name)
+    return symm_mem.inductor_patches(
+        tp.name, dist.get_backend(pg), opts.settings["symm_mem_all_reduce"],
+        opts.settings["collective_wait"], opts.settings["overlap_comm"],
+    )  # fmt: skip
+
+
 def _lower_with_inductor(
     gm: fx.GraphModule,
     example_inputs: list[Any],
     ran: Sequence[BoostPass],
     opts: BoostOptions,
     mode: str | None,
+    tp: Any = None,
 ) -> Callable[..., Any]:
     from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
@@ -222,6 +239,8 @@ def _lower_with_inductor(
     patches: dict[str, Any] = {}
     if mode not in (None, "default"):
         patches.update(list_mode_options(mode))
+    if tp is not None:
+        patches.update(_symm_mem_patches(tp, opts))
     patches.update(opts.settings["inductor_config"] or {})
     regions = bool(calls(gm.graph))
     if regions:

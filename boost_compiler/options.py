@@ -51,6 +51,13 @@ SETTINGS: dict[str, Setting] = {
         "(boost_compiler/lowering/overlap.py; off by default: measured neutral on CPU gloo, "
         "whose transfer threads share the cores the overlapped GEMMs run on)",
     ),
+    "symm_mem_all_reduce": Setting(
+        (int,),
+        0,
+        "parallelized models on CUDA/NCCL: all-reduces of at most this many bytes run as "
+        "symmetric-memory one-shot all-reduces, lowered by Inductor's own rule "
+        "(boost_compiler/lowering/symm_mem.py); 0, the default: NCCL all-reduces",
+    ),
     "compile_blocks": Setting(
         (bool,),
         True,
