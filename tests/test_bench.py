@@ -316,3 +316,22 @@ def test_plots_without_matplotlib(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert bench.plots({}, [], tmp_path) == []
     assert "matplotlib is not installed: PNG charts skipped" in capsys.readouterr().out
+
+
+def test_collective_timeline_splits_waits_into_skew_and_transfer() -> None:
+    """``benchmarks/collective_timeline.py``: a wait before the peer issued is skew, the
+    rest transfer; per rank, on one clock."""
+    from benchmarks.collective_timeline import _analyse
+
+    def rank(rows: list[list[float]]) -> dict[str, Any]:  # [issue, wait, done, issuing s, B]
+        return {"steps": [{"start": 0.0, "end": 0.010, "log": rows}]}
+
+    early = rank([[0.000, 0.001, 0.005, 0.0002, 4096], [0.006, 0.006, 0.007, 0.0, 4096]])
+    late = rank([[0.003, 0.003, 0.005, 0.0001, 4096], [0.006, 0.0065, 0.007, 0.0, 4096]])
+    out = _analyse([early, late])
+    r0, r1 = out["ranks"]
+    assert r0["wait"] == pytest.approx(5.0) and r1["wait"] == pytest.approx(2.5)
+    assert r0["skew"] == pytest.approx(2.0) and r1["skew"] == pytest.approx(0.0)
+    assert r0["transfer"] == pytest.approx(3.0) and r1["transfer"] == pytest.approx(2.5)
+    assert r0["issue"] == pytest.approx(0.2) and r0["step"] == pytest.approx(10.0)
+    assert out["worst"][0][:2] == (pytest.approx(3.0), 0)  # 3 ms apart: collective 0
