@@ -102,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         pol = max(r[f"poll {key}"] for r in ranks)
         cpu = max(r.get(f"block cpu {key}", float("nan")) for r in ranks)
         t.add_row(label, f"{blk:.2f}", f"{cpu:.2f}", f"{pol:.2f}", f"{pol / blk:.2f}")
-    t.caption = f"the GEMM alone: {max(r['gemm alone'] for r in ranks):.2f} ms"
+    t.caption = (
+        f"the GEMM alone: {max(r['gemm alone'] for r in ranks):.2f} ms; CPU / wall: all of a "
+        "rank's threads' CPU time over the summed wall time of its blocked calls (the larger "
+        "rank's; not measured for the GEMM row)"
+    )
     Console().print(t)
     return 0
 

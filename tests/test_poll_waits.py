@@ -94,6 +94,10 @@ def test_only_a_collective_whose_one_user_is_its_wait_is_split() -> None:
     assert split_collectives(_graph(1, "g"), "poll") == 1
     assert split_collectives(_graph(2, "g"), "poll") == 0  # another reader of the unwaited
     assert split_collectives(_graph(1, "g", FUNCOL.reduce_scatter_tensor.default), "poll") == 0
+    # without overlap (post_grad), a collective that would block stays torch's own
+    assert split_collectives(_graph(1, "no such group"), "auto", split_blocking=False) == 0
+    assert split_collectives(_graph(1, "g"), "block", split_blocking=False) == 0
+    assert split_collectives(_graph(1, "g"), "poll", split_blocking=False) == 1
     for mode, group, polls in (("poll", "g", True), ("block", "g", False),
                                ("auto", "no such group", False)):  # fmt: skip
         g = _graph(1, group)

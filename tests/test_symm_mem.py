@@ -4,8 +4,10 @@ A one-shot all-reduce needs CUDA symmetric memory, so on this CPU machine the ch
 at Inductor's decision: compiling the tiny CoLA-LLaMA at tp=2 on torch's fake group, a
 spy on ``comm_lowering._should_lower_as_one_shot_all_reduce`` records, per all-reduce
 Inductor lowers, its bytes and the rule's answer, then lowers it as an NCCL-style
-all-reduce so that compiling goes on. The spy calls the rule itself: what it records is
-what a GPU run would lower (the Inductor cache is off: a cached graph lowers nothing).
+all-reduce so that compiling goes on. The spy calls the rule itself, with symmetric
+memory mocked as enabled for the tensor-parallel group alone: what it records is which
+all-reduces a GPU run would hand to ``one_shot_all_reduce`` (that op itself, and the
+symmetric allocation, need CUDA). The Inductor cache is off: a cached graph lowers nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def _decisions(options: dict[str, Any]) -> list[tuple[int, bool]]:
 
     with (
         fake_process_group(2),
-        _test_mode(),
+        _test_mode({dist.group.WORLD.group_name}),
         mock.patch.object(comm_lowering, "_should_lower_as_one_shot_all_reduce", spy),
     ):
         torch._dynamo.reset()
@@ -46,7 +48,7 @@ def _decisions(options: dict[str, Any]) -> list[tuple[int, bool]]:
         (ids,) = example_inputs(model.cfg, batch=2, seq=16)
         boost_compiler.parallelize(model, dist.group.WORLD, (ids,), {"labels": ids})
         fresh = {"inductor_config": {"force_disable_caches": True}}  # a cache hit lowers nothing
-        opts = {"collective_wait": "block", **fresh, **options}
+        opts = {**fresh, **options}  # collective_wait "auto": torch's waits off gloo
         run = torch.compile(model, backend="boost", options=opts)
         run(ids, labels=ids).backward()
     torch._dynamo.reset()
@@ -74,8 +76,20 @@ def test_refused_off_nccl_and_with_split_collectives() -> None:
         inductor_patches("tp", "fake", 1 << 20, "poll", False)
     with pytest.raises(OptionError, match="overlap_comm"):
         inductor_patches("tp", "fake", 1 << 20, "block", True)
-    patches = inductor_patches("tp", "fake", 4096, "block", False)
-    assert patches == {
-        "_collective.auto_select": True,
-        "_collective.one_shot_all_reduce_threshold_bytes": 4096,
-    }
+    for wait in ("auto", "block"):
+        patches = inductor_patches("tp", "fake", 4096, wait, False)
+        assert patches == {
+            "_collective.auto_select": True,
+            "_collective.one_shot_all_reduce_threshold_bytes": 4096,
+        }
+
+
+def test_an_nccl_group_gets_symmetric_memory() -> None:
+    """Inductor's rule asks ``is_symm_mem_enabled_for_group``: the option enables it."""
+    import torch.distributed._symmetric_memory as symm
+
+    with mock.patch.object(symm, "enable_symm_mem_for_group") as enable:
+        inductor_patches("tp0", "fake", 1 << 20, "auto", False)
+        enable.assert_not_called()  # torch's fake group has no symmetric memory
+        inductor_patches("tp0", "nccl", 1 << 20, "auto", False)
+        enable.assert_called_once_with("tp0")

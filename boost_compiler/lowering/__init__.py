@@ -23,11 +23,13 @@ SOURCE_DIGEST = hashlib.sha256(
 
 def post_grad(graph: fx.Graph, wait: str, overlap: bool) -> int:
     """Options ``collective_wait`` and ``overlap_comm`` on one post-grad graph: how many
-    collectives were split into start and wait (none with ``block`` and no overlap:
-    torch's own collectives, untouched)."""
+    collectives were split into start and wait. Without overlap only the polled ones are:
+    a collective waited for by blocking stays torch's own (``wait_tensor``), which
+    Inductor lowers itself (on NCCL, a stream dependency; with ``symm_mem_all_reduce``,
+    a one-shot all-reduce)."""
     if wait == "block" and not overlap:
         return 0
-    return split_collectives(graph, wait)
+    return split_collectives(graph, wait, split_blocking=overlap)
 
 
 class OverlapSchedule(CustomSchedulerPass):

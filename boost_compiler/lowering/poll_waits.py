@@ -5,8 +5,9 @@ Invariant: each ``_c10d_functional`` all-reduce / all-gather whose only user is 
 on the same process group, issued in the same order on every rank) and
 ``boost::collective_wait`` (at the wait's place), which returns the collective's result.
 Anything else (a collective with other users, an unknown reduce op, a reduce-scatter:
-gloo's emulated one completes only inside ``wait()``) is left as it was. Where the wait
-then goes is :mod:`.overlap`'s business.
+gloo's emulated one completes only inside ``wait()``; without ``overlap_comm``, one that
+would not be polled) is left as it was. Where the wait then goes is :mod:`.overlap`'s
+business.
 
 Why: ``wait_tensor`` blocks on a condition variable. With gloo on a machine of a few cores
 (a VM's vCPUs) the waiting core goes idle, and the wake-up when the peer's data arrives
@@ -131,8 +132,9 @@ def polls(group_name: str, mode: str) -> bool:
         return False
 
 
-def split_collectives(graph: fx.Graph, mode: str = "auto") -> int:
-    """Rewrite ``graph`` in place (see the module docstring); returns collectives rewritten."""
+def split_collectives(graph: fx.Graph, mode: str = "auto", split_blocking: bool = True) -> int:
+    """Rewrite ``graph`` in place (see the module docstring); returns collectives rewritten.
+    ``split_blocking=False``: a collective that would not be polled is left as it was."""
     done = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in STARTS:
@@ -146,10 +148,13 @@ def split_collectives(graph: fx.Graph, mode: str = "auto") -> int:
             continue
         if op_at is not None and node.args[op_at] not in _REDUCE_OPS:
             continue
+        poll = polls(node.args[-1], mode)
+        if not (poll or split_blocking):
+            continue
         with graph.inserting_before(node):
             start = graph.call_function(start_op, tuple(node.args))
         with graph.inserting_before(wait):
-            new = graph.call_function(WAIT, (start, polls(node.args[-1], mode)))
+            new = graph.call_function(WAIT, (start, poll))
         # values and provenance; not eager_input_vals (the replaced nodes' own arguments)
         start.meta = {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
         new.meta = {k: v for k, v in wait.meta.items() if k != "eager_input_vals"}

@@ -43,9 +43,15 @@ def inductor_patches(
             "use collective_wait='auto' or 'block' and overlap_comm=False with it"
         )
     if backend == "nccl":
+        import warnings
+
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-        enable_symm_mem_for_group(group_name)
+        # torch 2.13 marks it deprecated ("no longer needed"), yet the rule's
+        # is_symm_mem_enabled_for_group still reads only what this call registers
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable_symm_mem_for_group(group_name)
     return {
         "_collective.auto_select": True,
         "_collective.one_shot_all_reduce_threshold_bytes": max_bytes,
