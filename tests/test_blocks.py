@@ -41,6 +41,68 @@ def test_repeated_blocks_are_the_outermost_lists_of_one_class() -> None:
     assert repeated_blocks(mixed) == []
     nested = nn.ModuleList([nn.ModuleList([nn.Linear(2, 2)] * 2) for _ in range(2)])
     assert repeated_blocks(nested) == ["0", "1"]  # not "0.0", "0.1": they stay in "0"
+    # one class holding different tensors: a later call's bias would be None where the
+    # first call's was a tensor, which dynamo's reuse check cannot take
+    no_bias = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2, bias=False)])
+    assert repeated_blocks(no_bias) == []
+    assert repeated_blocks(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 3)])) == []
+
+
+class _Checkpointed(nn.Module):
+    """The blocks inside one ``torch.utils.checkpoint`` region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Stack()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_blocks_inside_a_checkpoint_keep_the_whole_model_route(caplog: Any) -> None:
+    """A region called from a checkpoint's body: torch 2.13's dynamo failed such a
+    parallelized forward on one rank (a hang on the other), so parallelize keeps regions
+    only where the top graph calls them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _Checkpointed()
+    assert repeated_blocks(model) == ["inner.layers.0", "inner.layers.1", "inner.layers.2"]
+    x = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(0))
+    with fake_process_group(2), caplog.at_level("INFO", logger="boost_compiler"):
+        boost_compiler.parallelize(model, init_device_mesh("cpu", (2,)), (x,))
+        shadow = boost_compiler.parallel_state(model).shadow
+    assert "run inside another region" in caplog.text
+    assert type(shadow.inner.layers[0]) is _Widening  # not a region
+
+
+def test_a_copy_owns_its_bodies_and_dropping_keeps_nested_ones() -> None:
+    """``graph_copy`` copies the bodies a graph holds (passes inline into a copy's bodies
+    and delete its submodules), and ``drop_unused_bodies`` keeps a body nested in a body
+    it keeps (``delete_all_unused_submodules`` deleted it: found by the fuzzer)."""
+    from boost_compiler.ir.subgraphs import drop_unused_bodies, graph_copy
+
+    def module(graph: fx.Graph, **subs: nn.Module) -> fx.GraphModule:
+        root = nn.Module()
+        for name, sub in subs.items():
+            root.add_module(name, sub)
+        return fx.GraphModule(root, graph)
+
+    inner_g = fx.Graph()
+    inner_g.output(inner_g.placeholder("x"))
+    outer_g = fx.Graph()
+    outer_g.output((outer_g.placeholder("x"), outer_g.get_attr("inner")))
+    top_g = fx.Graph()
+    x = top_g.placeholder("x")
+    top_g.get_attr("unused")
+    top_g.output((x, top_g.get_attr("outer")))
+    top = module(top_g, outer=module(outer_g, inner=module(inner_g)), unused=module(inner_g))
+    copy_ = graph_copy(top)
+    assert copy_.outer is not top.outer and copy_.outer.inner is not top.outer.inner
+    drop_unused_bodies(copy_)
+    assert not hasattr(copy_, "unused") and hasattr(top, "unused")
+    assert hasattr(copy_.outer, "inner")
+    delattr(copy_.outer, "inner")
+    assert hasattr(top.outer, "inner")  # the original's body is untouched
 
 
 def test_per_block_plan_equals_whole_model_plan() -> None:

@@ -125,10 +125,17 @@ def drop_dead_size_queries(graph: fx.Graph) -> None:
 
 
 def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with its own graph (node meta copied shallowly, names kept, submodules shared)."""
+    """``gm`` with its own graph (node meta copied shallowly, names kept) and its own copy
+    of every body it holds, recursively: passes inline into bodies and delete submodules
+    (``delete_all_unused_submodules`` reaches into a body), which must never reach the
+    graph copied from. Other submodules, parameters and buffers are shared."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph, gm.__class__.__name__)
+    copy = fx.GraphModule(gm, graph, gm.__class__.__name__)
+    for name, sub in list(copy.named_children()):
+        if isinstance(sub, fx.GraphModule):
+            setattr(copy, name, graph_copy(sub))
+    return copy
 
 
 def inlined_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -139,10 +146,23 @@ def inlined_copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def drop_unused_bodies(gm: fx.GraphModule) -> None:
+    """Erase the get_attr nodes nothing reads, and the bodies no node of ``gm`` names.
+
+    Not ``delete_all_unused_submodules``: it counts only the names ``gm``'s own nodes use,
+    so it deletes the bodies nested in a body a get_attr names (a checkpoint region's
+    region calls), which that body's graph still reads (found by the fuzzer).
+    """
     for node in list(gm.graph.nodes):
         if node.op == "get_attr" and not node.users:
             gm.graph.erase_node(node)
-    gm.delete_all_unused_submodules()
+    used = {
+        str(n.target).split(".", 1)[0]
+        for n in gm.graph.nodes
+        if n.op in ("get_attr", "call_module")
+    }
+    for name, sub in list(gm.named_children()):
+        if isinstance(sub, fx.GraphModule) and name not in used:
+            delattr(gm, name)
 
 
 def free_name(gm: fx.GraphModule, base: str) -> str:

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .._logging import get_logger
-from ..ir.subgraphs import inline_call
+from ..ir.subgraphs import drop_unused_bodies, inline_call
 from .base import BoostPass
 
 log = get_logger(__name__)
@@ -59,10 +59,7 @@ class InlineRegions(BoostPass):
             )
         # Only the bodies' get_attr nodes go: a general dead-code sweep would also
         # drop the in-place ops (no users) that ``functionalize`` still has to see.
-        for node in list(graph.nodes):
-            if node.op == "get_attr" and not node.users:
-                graph.erase_node(node)
-        gm.delete_all_unused_submodules()
+        drop_unused_bodies(gm)
 
 
 def _inline(gm: fx.GraphModule, hop: fx.Node, region: int | None) -> None:

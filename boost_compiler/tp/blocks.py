@@ -24,19 +24,29 @@ _MARK = "__boost_region__"
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
-    """Names of the modules in ``ModuleList``s of two or more children of one class.
+    """Names of the modules in ``ModuleList``s of two or more children of one class whose
+    parameters and buffers agree (names, shapes, dtypes).
 
     Only the outermost such lists: a list inside a block (experts) stays in its block.
+    Children of one class that hold different tensors (a bias in one, ``None`` in the
+    next) are not blocks: dynamo's check whether a later call may reuse the first call's
+    trace read a tensor attribute of a call where it was ``None`` and raised, on some
+    ranks and not others (torch 2.13; found by the fuzzer as a hang).
     """
     found: list[str] = []
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or any(name.startswith(f + ".") for f in found):
             continue
         children = list(mod.named_children())
-        kinds = {type(c) for _, c in children}
+        kinds = {(type(c), _tensors(c)) for _, c in children}
         if len(children) >= 2 and len(kinds) == 1 and any(True for _ in mod.parameters()):
             found += [f"{name}.{n}" if name else n for n, _ in children]
     return found
+
+
+def _tensors(block: nn.Module) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    named = [*block.named_parameters(), *block.named_buffers()]
+    return tuple((n, tuple(t.shape), t.dtype) for n, t in named)
 
 
 @functools.cache

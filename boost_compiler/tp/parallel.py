@@ -30,7 +30,7 @@ from .._logging import get_logger
 from ..backend import boost_backend
 from ..errors import AlreadyParallelizedError, BoostError, PlanFileError
 from ..ir.capture import CapturedGraph, capture
-from ..ir.subgraphs import inlined_copy
+from ..ir.subgraphs import calls, inlined_copy
 from ..options import BoostOptions
 from ..passes import TP_REQUIRED, PassContext
 from ..passes.driver import run_pipeline
@@ -175,11 +175,28 @@ def _capture(
     if blocks:
         try:
             with marked(model, blocks):
-                return run(), blocks
+                graphs = run()
+            if not any(_nested_calls(g.gm) for g in graphs):
+                return graphs, blocks
+            log.info("compile_blocks: %s's blocks run inside another region (a "
+                     "torch.utils.checkpoint): they compile with the whole model",
+                     type(model).__name__)  # fmt: skip
         except BoostError as exc:  # the capture without regions says what is wrong, if anything
             log.info("compile_blocks: %s's blocks compile with the whole model (%s)",
                      type(model).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
     return run(), []
+
+
+def _nested_calls(gm: torch.fx.GraphModule) -> bool:
+    """Whether a region call sits in a body below ``gm``'s own graph (a checkpoint's).
+
+    Regions are kept only where the top graph calls them: called from inside a
+    checkpoint region, torch 2.13's dynamo failed the parallelized forward on one rank
+    of two (a subclass guard on a value that was None), and the other waited for it in
+    a collective (found by the fuzzer: a hang).
+    """
+    return any(calls(sub.graph) for sub in gm.modules() if sub is not gm and
+               isinstance(sub, torch.fx.GraphModule))  # fmt: skip
 
 
 def _same_placements(model: nn.Module, per_block: TPPlan, whole: TPPlan) -> bool:
