@@ -32,6 +32,7 @@ from .lowering import symm_mem
 from .options import BoostOptions
 from .passes import TP_REQUIRED, BoostPass, PassContext
 from .passes.base import _digest
+from .passes.checkpoint import inline_tagged_regions
 from .passes.driver import run_pipeline
 from .tp.collectives import graph_collectives
 from .tp.placeholder import current_local, placeholder_record, shadow_param
@@ -97,7 +98,7 @@ def boost_backend(
             "compile", input_shapes(example_inputs), list(getattr(btp, "fallbacks", [])),
             len(graph_collectives(gm.graph)), predicted_bytes(btp) if btp is not None else 0.0,
         )  # fmt: skip
-    _inline_for_eager(gm, opts)  # after the passes: each body was planned as it compiles
+    _inline_regions(gm, opts)  # after the passes: each body was planned as it compiles
     counters["boost"]["graphs"] += 1
     counters["boost"]["bottlenecks"] += len(ctx.bottlenecks)
     log.info(
@@ -123,17 +124,23 @@ def boost_backend(
     return _with_local_shards(fn, sorted(shards), ctx.tp)
 
 
-def _inline_for_eager(gm: fx.GraphModule, opts: BoostOptions) -> None:
-    """Under ``lowering="eager"``, nested compile regions are inlined (exact).
+def _inline_regions(gm: fx.GraphModule, opts: BoostOptions) -> None:
+    """Where a body cannot be lowered as a region, its calls are inlined (exact).
 
-    ``torch.compiler.nested_compile_region`` reaches a backend as ``invoke_subgraph``
-    nodes, whose backward torch runs only under AOTAutograd's fake mode: run as-is the
-    graph fails in backward with a bare AssertionError. Inlined, the graph is plain. The
-    bodies are inlined as the passes left them, so an eager run and a compiled one of a
-    parallelized model run the same per-block plan (planned whole, a model's parameters
-    fixed per block could meet a rule that wants them otherwise: a gather).
+    Under ``lowering="eager"``: ``torch.compiler.nested_compile_region`` reaches a
+    backend as ``invoke_subgraph`` nodes, whose backward torch runs only under
+    AOTAutograd's fake mode: run as-is the graph fails in backward with a bare
+    AssertionError. Under ``checkpoint``: torch 2.13 cannot partition a body that
+    recomputes a random op (:func:`~boost_compiler.passes.checkpoint.inline_tagged_regions`).
+    The bodies are inlined as the passes left them, so every lowering of a parallelized
+    model runs the same per-block plan (planned whole, a model's parameters fixed per
+    block could meet a rule that wants them otherwise: a gather).
     """
-    if opts.settings["lowering"] == "eager" and (n := inline_all(gm)):
+    if opts.enabled("checkpoint") and calls(gm.graph):
+        n = inline_tagged_regions(gm)
+        log.info("boost: %d nested compile region call(s) inlined: checkpoint=%r",
+                 n, opts.passes["checkpoint"])  # fmt: skip
+    elif opts.settings["lowering"] == "eager" and (n := inline_all(gm)):
         log.debug("boost: %d nested compile region call(s) inlined for eager lowering", n)
 
 

@@ -87,13 +87,16 @@ def inline_call(
     graph.erase_node(call)
 
 
-def inline_all(gm: fx.GraphModule) -> int:
+def inline_all(
+    gm: fx.GraphModule, tag_for: Callable[[fx.Node], Callable[[fx.Node], None]] | None = None
+) -> int:
     """Inline every region call, nested ones and those inside other bodies (checkpoint
-    regions) too; returns how many were inlined."""
+    regions) too; returns how many were inlined. ``tag_for(call)``, when given, returns
+    the ``tag`` of :func:`inline_call` for that call's copied nodes (top graph only)."""
     n = sum(inline_all(sub) for sub in gm.children() if isinstance(sub, fx.GraphModule))
     while found := calls(gm.graph):
         for call in found:
-            inline_call(gm, call)
+            inline_call(gm, call, tag=tag_for(call) if tag_for is not None else None)
             n += 1
     if n:
         drop_unused_bodies(gm)

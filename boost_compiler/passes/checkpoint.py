@@ -38,6 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from .._logging import get_logger
 from ..ir.op_table import op_kind
+from ..ir.subgraphs import body_of, inline_all
 from ..tp import collectives as C
 from .base import BoostPass
 
@@ -81,6 +82,40 @@ class Checkpoint(BoostPass):
             "checkpoint(%s): %d layer(s), %d collective node(s) saved, %d node(s) recomputable",
             mode, len(order), saved, recomputed,
         )  # fmt: skip
+
+
+def inline_tagged_regions(gm: fx.GraphModule) -> int:
+    """Inline every nested compile region, each call's recompute regions kept its own.
+
+    Why inline: a checkpointed body recomputes a random op in its backward (the CPU
+    SDPA kernel is ``nondeterministic_seeded`` even without dropout), and torch 2.13's
+    partitioner then threads the random state from the body's forward to its backward
+    through ``run_and_save_rng_state``, whose fake implementation returns the real
+    ``torch.get_rng_state()``: the caller's compile fails with "Please convert all
+    Tensors to FakeTensors first" (or, on a cold cache, an ``ObjMismatchError`` while
+    hashing it). Inlined, the partitioner sees one graph, as for a model without blocks.
+    Every call's copies get ``ac_graph_id``s above those of the graph and of the calls
+    before it: each block's regions stay distinct, so their boundaries are still saved.
+    Returns how many calls were inlined.
+    """
+    base = 1 + max((_graph_id(n) for n in gm.graph.nodes), default=0)
+
+    def tag_for(call: fx.Node) -> Any:
+        nonlocal base
+        offset = base
+        base += 1 + max((_graph_id(n) for n in body_of(call).graph.nodes), default=0)
+
+        def tag(node: fx.Node) -> None:
+            if "ac_graph_id" in node.meta:
+                node.meta["ac_graph_id"] += offset
+
+        return tag
+
+    return inline_all(gm, tag_for)
+
+
+def _graph_id(node: fx.Node) -> int:
+    return int(node.meta.get("ac_graph_id", 0))
 
 
 def is_communicating(node: fx.Node) -> bool:
