@@ -34,6 +34,17 @@ class MeshError(BoostError, ValueError):
     """The device mesh or process group given to ``parallelize`` is unusable."""
 
 
+class RankMismatchError(MeshError):
+    """The ranks of a tensor-parallel group were given different things where they must
+    agree: the model's structure, the plan, the options, or a call's shapes (names each
+    rank's value); every rank raises it, none is left waiting in a collective."""
+
+
+class PeerRankError(BoostError, RuntimeError):
+    """Another rank of the tensor-parallel group failed where this one did not (names the
+    rank and its error): this rank stops too instead of waiting for it in a collective."""
+
+
 class MutationError(BoostError, RuntimeError):
     """An in-place write that cannot be rewritten exactly (names the op and the source line)."""
 

@@ -120,3 +120,26 @@ def test_workers_of_a_killed_torchrun_stop(tmp_path: Path, reaper: list[int]) ->
     after = {p: p.stat().st_size for p in tmp_path.rglob("*") if p.is_file() and p != log}
     assert after == before
     assert not (tmp_path / "ckpt" / ".lock").exists()
+
+
+def test_a_rank_that_raises_stops_every_rank_naming_its_error(
+    tmp_path: Path, reaper: list[int]
+) -> None:
+    """Rank 1 raises at step 2 (``tests/train_fault_probe.py``); rank 0 waits in that step's
+    collectives. Both end within the hang guard, and torchrun's summary names the error
+    (the rank wrote it to torchrun's error file) under "Root Cause"."""
+    probe = str(Path(__file__).with_name("train_fault_probe.py"))
+    log = tmp_path / "torchrun.log"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", probe, "1", "2",
+           *TRAIN[2:], "--tp", "2", *_flags(tmp_path, 1000)]  # fmt: skip
+    start = time.monotonic()
+    launcher = _start(cmd, log, reaper)
+    try:
+        code = launcher.wait(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running after {HANG_GUARD_S} s:\n{log.read_text()[-3000:]}")
+    text = log.read_text()
+    assert code != 0 and time.monotonic() - start < HANG_GUARD_S
+    cause = text[text.index("Root Cause") :]
+    assert "rank      : 1" in cause, cause
+    assert "RuntimeError: injected fault on rank 1 at step 2" in cause, cause

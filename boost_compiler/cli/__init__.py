@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,8 +91,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except BoostError as err:
+        _tell_launcher(err)
         print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        _tell_launcher(err)
+        raise
+
+
+def _tell_launcher(err: BaseException) -> None:
+    """The error in torchrun's error file, so its summary names it under "Root Cause"
+    (without the file it says only the exit code; the other ranks are stopped by it)."""
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)
 
 
 if __name__ == "__main__":

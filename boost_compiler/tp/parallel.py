@@ -34,6 +34,7 @@ from ..ir.subgraphs import calls, inlined_copy
 from ..options import BoostOptions
 from ..passes import TP_REQUIRED, PassContext
 from ..passes.driver import run_pipeline
+from .agreement import agree, broadcast_from_first, canonical, digest, input_signature
 from .blocks import mark, marked, repeated_blocks
 from .closures import Rebinding, plan_rebinding, rebind
 from .collectives import graph_collectives
@@ -92,6 +93,17 @@ def parallelize(
     before anything is modified; a placement the rules cannot use is gathered (exact),
     and the plan lists the gather under ``fallbacks``.
 
+    Every rank of the group calls it, and they end as one model: rank 0's parameters
+    and buffers are broadcast to the others before any is cut (as DDP and FSDP do when
+    they wrap a model), so ranks that built the model from different seeds train rank
+    0's. What cannot be made equal is compared first, on every rank: the model's
+    parameter names, shapes and dtypes, ``options``, the plan (``plan=`` files included)
+    and the example inputs' shapes; a difference raises
+    :class:`~boost_compiler.errors.RankMismatchError` on every rank, and an error on one
+    rank raises :class:`~boost_compiler.errors.PeerRankError` naming it on the others,
+    before any parameter is modified. The first call of the returned model compares its
+    inputs' shapes the same way (later calls do not: each comparison is a collective).
+
     Returns the same module, its parameters now this rank's shards, its plan in
     ``model.boost_plan``. The forward keeps its signature; use it eagerly or
     with ``torch.compile(model, backend="boost")``.
@@ -125,23 +137,22 @@ def parallelize(
         boost_compiler.parallelize(model, mesh, example_inputs(model.cfg))
         loss = model(*example_inputs(model.cfg), labels=example_inputs(model.cfg)[0])
     """
-    opts = BoostOptions.parse(options)
-    _refuse_parallelized(model)
-    rebindings = plan_rebinding(model)  # raises before anything is modified
     group = resolve_group(tp_mesh)
-    forced = _forced_plan(plan, model, group)
-    blocks = repeated_blocks(model) if opts.settings["compile_blocks"] else []
-    graphs, blocks = _capture(model, tuple(example_inputs), example_kwargs, blocks)
-    whole = [dataclasses.replace(g, gm=inlined_copy(g.gm)) for g in graphs] if blocks else []
-    decided = _plan(graphs, group, opts, forced)
-    if blocks and not _same_placements(model, decided, _plan(whole, group, opts, forced)):
-        # Planned again from a capture without regions: the inlined copy's nodes all
-        # carry the first block's module path, which the plan's decisions would report.
-        graphs, blocks = _capture(model, tuple(example_inputs), example_kwargs, [])
-        decided = _plan(graphs, group, opts, forced)
-    if forced is not None:
-        check_blocks_fit(decided)
-    # Every check above ran on the captured copy: nothing was modified before here.
+    try:  # checks only: any error of one rank is raised on every rank (agree, below)
+        opts = BoostOptions.parse(options)
+        _refuse_parallelized(model)
+        rebindings = plan_rebinding(model)
+        forced = _forced_plan(plan, model, group)
+        decided, blocks = _decide(model, tuple(example_inputs), example_kwargs, opts, group,
+                                  forced)  # fmt: skip
+        shared: Mapping[str, Any] | BaseException = _shared(
+            model, decided, options, example_inputs, example_kwargs
+        )
+    except Exception as exc:
+        shared = exc
+    agree(group, "parallelize", shared)
+    # Every check above ran on the captured copy, on every rank: nothing was modified.
+    broadcast_from_first(model, group)  # one model: rank 0's, whatever each rank built
     _shard_in_place(model, decided, group, dict(options or {}), rebindings, blocks)
     synchronise_rng(group)
     log.info(
@@ -153,6 +164,49 @@ def parallelize(
     )
     model.boost_plan = decided  # type: ignore[assignment]
     return model
+
+
+def _decide(
+    model: nn.Module,
+    example_inputs: tuple[Any, ...],
+    example_kwargs: Mapping[str, Any] | None,
+    opts: BoostOptions,
+    group: TPGroup,
+    forced: TPPlan | None,
+) -> tuple[TPPlan, list[str]]:
+    """The plan of the model's captured graphs, and the blocks kept as regions."""
+    blocks = repeated_blocks(model) if opts.settings["compile_blocks"] else []
+    graphs, blocks = _capture(model, example_inputs, example_kwargs, blocks)
+    whole = [dataclasses.replace(g, gm=inlined_copy(g.gm)) for g in graphs] if blocks else []
+    decided = _plan(graphs, group, opts, forced)
+    if blocks and not _same_placements(model, decided, _plan(whole, group, opts, forced)):
+        # Planned again from a capture without regions: the inlined copy's nodes all
+        # carry the first block's module path, which the plan's decisions would report.
+        graphs, blocks = _capture(model, example_inputs, example_kwargs, [])
+        decided = _plan(graphs, group, opts, forced)
+    if forced is not None:
+        check_blocks_fit(decided)
+    return decided, blocks
+
+
+def _shared(
+    model: nn.Module,
+    decided: TPPlan,
+    options: Mapping[str, Any] | None,
+    example_inputs: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """What every rank of the group must have alike to hold one model, shown per rank."""
+    tensors = [(n, list(t.shape), str(t.dtype))
+               for n, t in (*model.named_parameters(), *model.named_buffers())]  # fmt: skip
+    placements = {n: str(pl) for n, pl in sorted(decided.params.items())}
+    return {
+        "the model's parameters and buffers (names, shapes, dtypes)":
+            f"{len(tensors)} tensors, digest {digest(tensors)}",
+        "options": canonical(dict(options or {})),
+        "example inputs": input_signature(example_inputs, example_kwargs),
+        "plan": f"{decided.forced_from or 'decided'}, placements digest {digest(placements)}",
+    }  # fmt: skip
 
 
 def _capture(
@@ -311,5 +365,6 @@ def _shard_in_place(
         for mod, name in owners[key]:
             mod._parameters[name] = local
     backend = functools.partial(boost_backend, options={**options, "lowering": "eager"})
-    state = ParallelState(shadow, ShadowForward(shadow, backend), plan, group, options, records)
+    forward = ShadowForward(shadow, backend, group)
+    state = ParallelState(shadow, forward, plan, group, options, records)
     attach(model, state)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import HookAfterParallelizeError, ParallelModelCopyError, UncompiledFrameError
+from .agreement import agree, input_signature
 from .placeholder import (
     ATTR,
     ShadowParam,
@@ -224,13 +225,20 @@ class ShadowForward:
     backend with eager lowering, given by ``parallelize``).
     """
 
-    def __init__(self, shadow: nn.Module, backend: Callable[..., Any]) -> None:
+    def __init__(
+        self, shadow: nn.Module, backend: Callable[..., Any], group: TPGroup | None = None
+    ) -> None:
         self.shadow = shadow
         self.eager = torch.compile(shadow, backend=backend, dynamic=False)
+        self.group = group  # the first call's shapes are compared over it (tp/agreement.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():  # inlined into the user's traced code
             return self.shadow(*args, **kwargs)
+        if self.group is not None:  # ranks called with other shapes would wait on each other
+            group, self.group = self.group, None
+            agree(group, "the first call of the parallelized model",
+                  {"input shapes": input_signature(args, kwargs)})  # fmt: skip
         cfg = torch._dynamo.config
         try:
             # Raised limits, for both routes (our eager compile and the user's

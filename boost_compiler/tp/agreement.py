@@ -1,0 +1,130 @@
+"""The ranks of a tensor-parallel group agree before they communicate, or all stop.
+
+A tensor-parallel model is one model cut in pieces, so each rank must cut the same one,
+with the same plan, and call it with the same shapes; otherwise the shards belong to
+no model (each rank took its slice of its own weights) or the ranks issue different
+collectives and one waits for the other until the group's timeout. Nothing a rank
+holds can tell it what its peers hold, so every check here is one collective over
+the group that every rank takes part in, and every rank raises: the rank at fault its
+own error, each other a :class:`~boost_compiler.errors.PeerRankError` naming it.
+Values are made equal where that is the meaning (rank 0's parameters and buffers,
+broadcast as DDP and FSDP do when they wrap a model); what cannot be made equal (a
+plan file, a batch's shapes) is compared and a difference refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import keystr, tree_flatten_with_path
+
+from ..errors import PeerRankError, RankMismatchError
+from .groups import TPGroup
+
+#: What a rank sends in place of its values when its own preparation raised.
+_FAILED = "__boost_failed__"
+
+
+def _process_group(group: TPGroup) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group.name)
+
+
+def _communicates(pg: dist.ProcessGroup) -> bool:
+    # The fake group (structure tests, one process) moves no bytes: nothing to agree on.
+    return pg.size() > 1 and dist.get_backend(pg) != "fake"
+
+
+def input_signature(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> list[str]:
+    """What a call's collectives depend on: each tensor's shape and dtype, other leaves'
+    values, by their place in the call (``args[0]``, ``['labels']``)."""
+    leaves, _ = tree_flatten_with_path((tuple(args), dict(kwargs or {})))
+    out = []
+    for path, leaf in leaves:
+        head = f"args[{path[1].idx}]" if path[0].idx == 0 else str(path[1].key)
+        where = head + keystr(path[2:])
+        if isinstance(leaf, torch.Tensor):
+            out.append(f"{where}: {list(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}")
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            out.append(f"{where}: {repr(leaf)[:80]}")
+        else:
+            out.append(f"{where}: {type(leaf).__name__}")
+    return out
+
+
+def canonical(value: Any) -> Any:
+    """``value`` with what differs between processes for no reason (a function's address in
+    its ``repr``) replaced by its type: options may hold callables (Inductor hooks)."""
+    if isinstance(value, Mapping):
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__qualname__
+
+
+def digest(value: Any) -> str:
+    """A short digest of a JSON-able value (plans and model structures are large)."""
+    text = json.dumps(value, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def agree(group: TPGroup, what: str, mine: Mapping[str, Any] | BaseException) -> None:
+    """Every rank of ``group`` calls this once at the same point; all return or all raise.
+
+    ``mine``: this rank's values (compared key by key) or the exception its own
+    preparation raised (re-raised here, after the peers have heard of it).
+    """
+    pg = _process_group(group)
+    if not _communicates(pg):
+        if isinstance(mine, BaseException):
+            raise mine
+        return
+    failed = isinstance(mine, BaseException)
+    payload = {_FAILED: f"{type(mine).__name__}: {mine}"} if failed else dict(mine)
+    table: list[Any] = [None] * pg.size()
+    dist.all_gather_object(table, payload, group=pg)
+    if failed:
+        raise mine  # type: ignore[misc]
+    for rank, theirs in enumerate(table):
+        if _FAILED in theirs:
+            first = str(theirs[_FAILED]).splitlines()[0][:500]
+            raise PeerRankError(
+                f"{what}: tensor-parallel rank {rank} of {pg.size()} failed ({first}); this "
+                f"rank (rank {group.rank}) stops with it, nothing was modified here"
+            )
+    for key in table[0]:
+        values = [theirs.get(key) for theirs in table]
+        if any(v != values[0] for v in values[1:]):
+            shown = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise RankMismatchError(
+                f"{what}: the tensor-parallel ranks differ in {key} ({shown}). Every rank "
+                "must run the same program on the same shapes: give each rank the same "
+                f"{key}"
+            )
+
+
+def broadcast_from_first(model: nn.Module, group: TPGroup) -> int:
+    """Rank 0's values of every parameter and buffer of ``model`` on every rank of ``group``.
+
+    What DDP and FSDP do when they wrap a model: ranks that built it from different
+    seeds (a script without ``torch.manual_seed``) then hold one model, rank 0's.
+    Meta tensors have no values to send. Returns how many tensors were broadcast.
+    """
+    pg = _process_group(group)
+    if not _communicates(pg):
+        return 0
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
+    with torch.no_grad():
+        for t in tensors.values():
+            dist.broadcast(t.data, group=pg, group_src=0)
+    return len(tensors)
+
+
+__all__ = ["agree", "broadcast_from_first", "canonical", "digest", "input_signature"]

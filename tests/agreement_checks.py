@@ -1,0 +1,121 @@
+"""Checks of tests/test_agreement.py: ranks given different things, on one gloo world.
+
+Each returns what this rank saw: the losses it trained, or the named error it got and
+how long after the call it came (every rank must raise, within seconds, never wait for
+a peer until the group's timeout).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _tiny(seed: int) -> torch.nn.Module:
+    from boost_compiler.models.cola_llama import build
+
+    return build("tiny", seed=seed, n_layers=1)
+
+
+def _ids(model: Any, batch: int = 2, seq: int = 16) -> torch.Tensor:
+    from boost_compiler.models.cola_llama import example_inputs
+
+    return example_inputs(model.cfg, batch=batch, seq=seq, seed=3)[0]
+
+
+def _raised(fn: Any) -> dict[str, Any]:
+    from boost_compiler.errors import BoostError
+
+    start = time.monotonic()
+    try:
+        fn()
+    except BoostError as err:
+        return {"raised": type(err).__name__, "message": str(err),
+                "seconds": time.monotonic() - start}  # fmt: skip
+    return {"raised": None, "seconds": time.monotonic() - start}
+
+
+def seeds_differ(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
+    """Each rank builds the model from its own seed (the README example without a seed):
+    the parallelized model trains rank 0's model, whose losses rank 0 computes alone."""
+    import boost_compiler
+
+    model = _tiny(seed=11 + dist.get_rank())
+    ids = _ids(model)
+    ref = _tiny(seed=11)  # rank 0's model, on one device
+    boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
+    losses: dict[str, list[float]] = {"tp": [], "rank0": []}
+    for m, key in ((model, "tp"), (ref, "rank0")):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = m(ids, labels=ids)
+            loss.backward()
+            opt.step()
+            losses[key].append(loss.item())
+    full = boost_compiler.gather_state_dict(model)
+    drift = max(((full[n] - p).abs().max() / p.abs().max().clamp_min(1e-12)).item()
+                for n, p in ref.state_dict().items())  # fmt: skip
+    return {**losses, "param_err": drift}
+
+
+def plan_files_differ(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Rank 0 forces the model's own plan, rank 1 that plan with one parameter replicated."""
+    import boost_compiler
+    from boost_compiler import TPPlan
+    from boost_compiler.tp.placement import R
+
+    base = _tiny(seed=2)
+    ids = _ids(base)
+    first = copy.deepcopy(base)
+    boost_compiler.parallelize(first, mesh, (ids,), {"labels": ids})
+    plan = TPPlan.from_json(first.boost_plan.to_json())
+    if dist.get_rank() == 1:
+        name = next(n for n, pl in plan.params.items() if pl.is_shard)
+        plan.params[name] = R
+    folder = tempfile.mkdtemp(prefix=f"boost-plan-{dist.get_rank()}-")
+    path = plan.save(os.path.join(folder, "plan.json"))
+    model = copy.deepcopy(base)
+    res = _raised(lambda: boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids},
+                                                     plan=path))  # fmt: skip
+    res["modified"] = not all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), base.parameters(), strict=True)
+    )
+    return res
+
+
+def batch_shapes_differ(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Parallelized alike; then rank 1 calls the model with another batch size."""
+    import boost_compiler
+
+    model = _tiny(seed=4)
+    ids = _ids(model)
+    boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids})
+    mine = _ids(model, batch=2 + dist.get_rank())
+    return _raised(lambda: model(mine, labels=mine))
+
+
+def one_rank_fails(*, world: int, mesh: Any) -> dict[str, Any]:
+    """Rank 1's parallelize raises (an unknown option there only); rank 0's would not."""
+    import boost_compiler
+
+    model = _tiny(seed=4)
+    ids = _ids(model)
+    options = {"no_such_option": True} if dist.get_rank() == 1 else {}
+    return _raised(lambda: boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids},
+                                                      options=options))  # fmt: skip
+
+
+def example_shapes_differ(*, world: int, mesh: Any) -> dict[str, Any]:
+    """The ranks' example inputs for parallelize differ in their batch size."""
+    import boost_compiler
+
+    model = _tiny(seed=4)
+    ids = _ids(model, batch=2 + dist.get_rank())
+    return _raised(lambda: boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids}))
