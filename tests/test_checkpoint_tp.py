@@ -28,13 +28,12 @@ def test_lowrank_checkpoint_saves_at_most_40_percent(modes: dict) -> None:
 
 
 def test_lowrank_checkpoint_adds_no_collective(modes: dict) -> None:
-    """Backward collectives, counted in Inductor's backward graph and as gloo:* events.
+    """Backward collectives, counted as they ran (gloo:* events of the backward).
 
-    (``"full"``, which re-runs the forward collectives, is compared in
-    ``benchmarks/checkpoint_modes.py``: one more compile than CI can afford.)
+    Not in Inductor's graphs: with per-block compilation the model without checkpointing
+    lowers a body per block, called per layer, while checkpointing lowers one inlined graph
+    (``passes/checkpoint.py``). ``"full"`` is compared in ``tests/test_seams.py``.
     """
-    off, on = modes["graph_collectives_False"], modes["graph_collectives_True"]
-    assert len(off) == len(on) == 2 and on[1] == off[1] > 0
     assert modes["bwd_collectives_True"] == modes["bwd_collectives_False"] > 0
 
 

@@ -137,7 +137,9 @@ def test_a_rank_that_raises_stops_every_rank_naming_its_error(
     try:
         code = launcher.wait(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"still running after {HANG_GUARD_S} s:\n{log.read_text()[-3000:]}")
+        raise AssertionError(
+            f"still running after {HANG_GUARD_S} s:\n{log.read_text()[-3000:]}"
+        ) from None
     text = log.read_text()
     assert code != 0 and time.monotonic() - start < HANG_GUARD_S
     cause = text[text.index("Root Cause") :]
