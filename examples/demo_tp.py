@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=0.05)
     args = p.parse_args()
 
-    dist.init_process_group("gloo")
+    # A bounded wait: a rank that fails mid-step stops its peer in 5 minutes, not torch's 30.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     console = Console(quiet=rank != 0)
     mesh = init_device_mesh("cpu", (world,))
