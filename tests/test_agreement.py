@@ -32,7 +32,7 @@ def test_ranks_built_from_other_seeds_train_rank_0s_model(world: dict) -> None:
 @pytest.mark.parametrize(
     ("case", "words"),
     [
-        ("plan_files_differ", "differ in plan"),
+        ("plan_files_differ", "differ in plan (rank 0: forced by plan="),
         ("batch_shapes_differ", "differ in input shapes"),
         ("example_shapes_differ", "differ in example inputs"),
     ],

@@ -205,7 +205,9 @@ def _shared(
             f"{len(tensors)} tensors, digest {digest(tensors)}",
         "options": canonical(dict(options or {})),
         "example inputs": input_signature(example_inputs, example_kwargs),
-        "plan": f"{decided.forced_from or 'decided'}, placements digest {digest(placements)}",
+        # The content, not the file's path: ranks may each read their own copy of a plan.
+        "plan": f"{'forced by plan=' if decided.forced_from else 'decided'}, placements "
+                f"digest {digest(placements)}",
     }  # fmt: skip
 
 

@@ -203,6 +203,12 @@ def _refuse_hook(name: str, method: str, *args: Any, **kwargs: Any) -> Any:
 SHADOW_RECOMPILE_LIMIT = 256
 
 
+@torch.compiler.disable  # plain Python even under the user's torch.compile(model)
+def _agree_on_inputs(group: TPGroup, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    agree(group, "the first call of the parallelized model",
+          {"input shapes": input_signature(args, kwargs)})  # fmt: skip
+
+
 class ShadowForward:
     """The parallelized model's forward: the shadow, through the boost backend.
 
@@ -237,8 +243,7 @@ class ShadowForward:
             return self.shadow(*args, **kwargs)
         if self.group is not None:  # ranks called with other shapes would wait on each other
             group, self.group = self.group, None
-            agree(group, "the first call of the parallelized model",
-                  {"input shapes": input_signature(args, kwargs)})  # fmt: skip
+            _agree_on_inputs(group, args, kwargs)
         cfg = torch._dynamo.config
         try:
             # Raised limits, for both routes (our eager compile and the user's
