@@ -8,6 +8,7 @@ Which variants contain a low-rank bottleneck (a d -> r contraction, elementwise 
 or a norm over r, an r -> d' contraction, with r smaller than both sides):
 
     cola_llama, cola_ref_layout, gpt2_svd, gqa_cola, svd_pair, fused_qkv_up   yes
+    addmm_bias (HF Conv1D's torch.addmm(bias, x, W))                          yes
     norm_between (a latent chain, as MLA's)                                   yes
     dense                                                                     no
 
@@ -28,6 +29,7 @@ from examples.cola_llama import ColaLlama, build
 __all__ = [
     "HAS_BOTTLENECK",
     "MAKERS",
+    "AddmmBottleneck",
     "ColaLayer",
     "ColaRefLayout",
     "Dense",
@@ -36,6 +38,7 @@ __all__ = [
     "NormBetween",
     "SvdPair",
     "gqa_cola",
+    "make_addmm_bias",
     "make_cola_llama",
     "make_cola_ref_layout",
     "make_dense",
@@ -292,6 +295,62 @@ def make_gpt2_svd(seed: int = 0, **kw: object) -> tuple[nn.Module, tuple[torch.T
 
 
 # --------------------------------------------------------------------------------------
+# Bottlenecks written as HF's Conv1D computes them: torch.addmm(bias, x, W).
+# --------------------------------------------------------------------------------------
+
+
+class _AddmmLinear(nn.Module):
+    """HF's ``Conv1D``: weight ``[d_in, d_out]``, ``y = addmm(bias, x, W)`` on 2-D rows."""
+
+    def __init__(self, d_in: int, d_out: int, beta: float = 1.0, alpha: float = 1.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_in, d_out) * d_in**-0.5)
+        self.bias = nn.Parameter(torch.randn(d_out) * 0.1)
+        # Keywords only when not the default: the plain call is the one HF writes.
+        self.scale = {k: v for k, v in (("beta", beta), ("alpha", alpha)) if v != 1.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight, **self.scale)
+        return y.view(*x.shape[:-1], -1)
+
+
+class AddmmBottleneck(nn.Module):
+    """Embedding, two ``d -> r -> d`` bottlenecks of :class:`_AddmmLinear` (biases on the
+    down and the up factor), a dense head.
+
+    The embedding splits the hidden stream, so each down factor is row-parallel with a
+    bias: the partial product is summed over the ranks, then the bias added once.
+    ``beta``/``alpha`` on the down factors make them no plain ``x @ W + b``.
+    """
+
+    def __init__(
+        self, vocab: int = 96, d: int = 64, rank: int = 16, beta: float = 1.0, alpha: float = 1.0
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.down1, self.up1 = _AddmmLinear(d, rank, beta, alpha), _AddmmLinear(rank, d)
+        self.down2, self.up2 = _AddmmLinear(d, rank, beta, alpha), _AddmmLinear(rank, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.up1(F.silu(self.down1(h)))
+        h = h + self.up2(F.gelu(self.down2(h)))
+        return self.head(self.norm(h))
+
+
+def make_addmm_bias(seed: int = 0, **kw: float) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    torch.manual_seed(seed)
+    return AddmmBottleneck(**kw), (_token_ids(96),)
+
+
+def make_addmm_scaled(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:class:`AddmmBottleneck` with ``beta=0.5, alpha=2.0`` on its down factors."""
+    return make_addmm_bias(seed, beta=0.5, alpha=2.0)
+
+
+# --------------------------------------------------------------------------------------
 # Grouped-query CoLA-LLaMA (from the example).
 # --------------------------------------------------------------------------------------
 
@@ -453,6 +512,7 @@ MAKERS: dict[str, Callable[..., tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
     "cola_llama": make_cola_llama,
     "cola_ref_layout": make_cola_ref_layout,
     "gpt2_svd": make_gpt2_svd,
+    "addmm_bias": make_addmm_bias,
     "gqa_cola": make_gqa_cola,
     "svd_pair": make_svd_pair,
     "fused_qkv_up": make_fused_qkv_up,
@@ -465,6 +525,7 @@ HAS_BOTTLENECK: dict[str, bool] = {
     "cola_llama": True,
     "cola_ref_layout": True,
     "gpt2_svd": True,
+    "addmm_bias": True,
     "gqa_cola": True,
     "svd_pair": True,
     "fused_qkv_up": True,
@@ -524,6 +585,26 @@ def make_hf(
     model = hf_decoder(family, attn, **{key: layers})
     boost_compiler.to_low_rank(model, method=method, multiple_of=8)
     return model, (_token_ids(HF_VOCAB),)
+
+
+# A dense GPT-2 whose sizes coincide where a shape rule would be fooled (V = 4 d, the
+# positions table's rows = d) and whose plan at tp=2 runs Conv1D's ``addmm`` row-parallel.
+GPT2_DENSE_DIMS: dict[str, int] = dict(
+    n_embd=128, n_layer=2, n_head=4, n_positions=128, vocab_size=512
+)
+
+
+def make_hf_dense(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """HF GPT-2 from :data:`GPT2_DENSE_DIMS` as it comes, no conversion: no bottleneck.
+
+    The embedding splits the hidden stream, so some ``Conv1D`` (``torch.addmm(bias, x,
+    W)``) contracts the hidden shard with its weight split on the input dim:
+    row-parallel with a bias, which a converted model only meets on its down factors
+    (there ``nn.Linear`` without bias).
+    """
+    torch.manual_seed(seed)
+    model = hf_decoder("gpt2", "sdpa", **GPT2_DENSE_DIMS)
+    return model, (_token_ids(GPT2_DENSE_DIMS["vocab_size"]),)
 
 
 def svd_sequential(model: nn.Module, rank_ratio: float = 0.25, multiple_of: int = 8) -> list[str]:

@@ -307,3 +307,89 @@ def test_llama_cola_detected_and_trains() -> None:
     loss = model(ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss)
+
+
+# ---------------------------------------------------------------------------------
+# The head by role, not by sizes that coincide (V = 4d, n_positions = d)
+# ---------------------------------------------------------------------------------
+
+GPT2_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt2_coinciding_sizes_convert_every_projection(tied: bool) -> None:
+    """HF GPT-2 with ``vocab_size = 4 * n_embd`` and ``n_positions = n_embd``: each block's
+    ``mlp.c_fc`` maps ``d`` onto the token table's row count, ``attn.c_proj`` onto the
+    positions table's. The model names its head (``get_output_embeddings()``), so sizes
+    decide nothing: all 8 projections are converted, ``lm_head`` alone stays dense."""
+    tf = need("transformers")
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        n_layer=2, n_embd=128, n_positions=128, vocab_size=512, n_head=4, bos_token_id=0,
+        eos_token_id=0, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = tf.GPT2LMHeadModel(cfg)
+    report = to_low_rank(model, rank_ratio=0.25)
+    assert report.converted == [f"transformer.h.{i}.{m}" for i in range(2) for m in GPT2_LAYERS]
+    assert list(report.skipped) == ["lm_head"]
+    assert ("tied" if tied else "get_output_embeddings") in report.skipped["lm_head"]
+    assert type(model.lm_head) is nn.Linear
+    assert (model.lm_head.weight is model.transformer.wte.weight) == tied
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_proj = nn.Linear(d, d)  # d -> d: the positions table's rows below
+        self.c_fc = nn.Linear(d, 4 * d)  # d -> 4d: the token table's rows below
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.c_proj(x) + self.down(F.gelu(self.c_fc(x)))
+
+
+class _NoHfGpt(nn.Module):
+    """A GPT without Hugging Face's methods: untied head, V = 4d, n_positions = d.
+
+    ``stack``: the blocks as a ``ModuleList`` or, as torchtitan keeps them, a
+    ``ModuleDict``.
+    """
+
+    def __init__(self, d: int = 32, stack: str = "list") -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(4 * d, d), nn.Embedding(d, d)
+        blocks = [_Block(d) for _ in range(2)]
+        self.h: nn.Module = (
+            nn.ModuleList(blocks) if stack == "list"
+            else nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+        )  # fmt: skip
+        self.lm_head = nn.Linear(d, 4 * d, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+        for block in self.h.values() if isinstance(self.h, nn.ModuleDict) else self.h:
+            x = block(x)
+        return self.lm_head(x)
+
+
+@pytest.mark.parametrize("stack", ["list", "dict"])
+def test_head_by_structure_ignores_blocks_and_position_tables(stack: str) -> None:
+    """No ``get_output_embeddings``: the head is the one layer outside the stacked blocks
+    mapping a token table's width onto its rows; the blocks' layers of the same sizes
+    are converted."""
+    model = _NoHfGpt(stack=stack)
+    report = to_low_rank(model, rank=8)
+    blocks = [f"h.{i}.{m}" for i in range(2) for m in ("c_proj", "c_fc", "down")]
+    assert report.converted == blocks
+    assert list(report.skipped) == ["lm_head"] and "'wte'" in report.skipped["lm_head"]
+
+
+def test_head_by_structure_two_candidates_is_no_head(caplog: pytest.LogCaptureFixture) -> None:
+    """Two ``d -> V`` layers outside the blocks: ambiguous, neither is called the head
+    (both converted), and the log says so."""
+    model = _NoHfGpt()
+    model.aux = nn.Linear(32, 128, bias=False)
+    with caplog.at_level("WARNING", logger="boost_compiler.convert"):
+        report = to_low_rank(model, rank=8)
+    assert {"lm_head", "aux"} <= set(report.converted) and not report.skipped
+    assert "'aux'" in caplog.text and "'lm_head'" in caplog.text

@@ -9,6 +9,8 @@ single-process converted model: losses, logits and gathered gradients within
 1e-5 relative (fp32), with no gather fallback. Llama and Qwen2 also with a
 left-padded batch (``attention_mask``, ``position_ids``, ignored labels).
 Compiled: GPT-2 in CI, Llama, Qwen2 and Mistral with ``BOOST_FULL_TESTS=1``.
+GPT-2 also dense, as it comes (no conversion), at the sizes of
+``tests.models.GPT2_DENSE_DIMS``: its plan runs a ``Conv1D`` row-parallel with a bias.
 
 Part 3, layouts the compiler did not create, with no code change: SVD factors
 as ``nn.Sequential(Linear, Linear)`` pairs (in an HF Qwen2, biases on the up
@@ -51,12 +53,20 @@ CHECKS: dict[str, tuple[str, tuple]] = {
     "qwen2/svd-sequential": (HF, ("make_hf_svd_sequential", False, "qwen2")),
     "lax": ("compare_training", ("make_lax", False)),
     "llama/decode-with-cache": ("hf_decode_with_cache", ()),
+    # GPT-2 as it comes, no conversion (a raw TypeError before the fix: a row-parallel
+    # Conv1D's addmm got a None bias). Compiled in CI without Inductor (the same
+    # rewritten dynamo graph; a cold Inductor compile of it costs ~2 min here).
+    "gpt2/dense": (HF, ("make_hf_dense", False)),
+    "gpt2/dense/compiled": (HF, ("make_hf_dense", True), {"lowering": "eager"}),
+    "gpt2/dense/inductor": (HF, ("make_hf_dense", True)),
 }
 # Each compiled check is a cold Inductor compile per rank: CI compiles GPT-2 (LayerNorm,
 # Conv1D, fused q/k/v, tied head; tests/test_tp.py compiles CoLA-LLaMA's RMSNorm, RoPE
 # and SwiGLU); BOOST_FULL_TESTS=1 adds the other families, whose ops the eager checks
 # cover.
-SLOW = {"llama/compiled", "qwen2/compiled", "mistral/compiled"}
+SLOW = {"llama/compiled", "qwen2/compiled", "mistral/compiled", "gpt2/dense/inductor"}
+# Dense GPT-2: no bottleneck; its plan gathers around a split it has no rule for (exact).
+DENSE = ["gpt2/dense", "gpt2/dense/compiled", "gpt2/dense/inductor"]
 TRAINING = [k for k, (fn, *_) in CHECKS.items() if fn != "hf_decode_with_cache"]
 # Bottlenecks per decoder block, and the parameters that may stay replicated.
 PER_BLOCK = {"llama": 7, "qwen2": 7, "mistral": 7, "gpt2": 4}
@@ -93,20 +103,34 @@ def test_exact_on_2_ranks(two: dict, key: str) -> None:
         assert not any(r["replica_drift"].values()), r["replica_drift"]
 
 
-@pytest.mark.parametrize("key", list(CHECKS))
+@pytest.mark.parametrize("key", [k for k in CHECKS if k not in DENSE])
 def test_no_fallback(two: dict, key: str) -> None:
     """No gather fallback, at plan time (``plan.fallbacks``) or in any compile (warnings)."""
     for r in _ok(two, key):
         assert r["fallbacks"] == [] and r["warnings"] == [], (r["fallbacks"], r["warnings"])
 
 
-@pytest.mark.parametrize("key", [k for k in TRAINING if CHECKS[k][0] == HF])
+@pytest.mark.parametrize("key", [k for k in TRAINING if CHECKS[k][0] == HF and k not in DENSE])
 def test_every_factor_found_and_sharded(two: dict, key: str) -> None:
     family = CHECKS[key][1][2]
     blocks = CHECKS[key][1][4] if len(CHECKS[key][1]) > 4 else 2
     for r in _ok(two, key):
         assert r["bottlenecks"] == PER_BLOCK[family] * blocks
         assert r["replicated"] == REPLICATED[family]  # the tensors a rank holds whole
+
+
+@pytest.mark.parametrize("key", DENSE)
+def test_dense_gpt2_runs_a_conv1d_row_parallel(two: dict, key: str) -> None:
+    """The dense GPT-2's exactness (``test_exact_on_2_ranks``) covers the path that
+    failed: a ``Conv1D`` weight split on its input dim (``[d_in, d_out]``: S(0)) with its
+    bias whole, i.e. ``addmm(b, x, W)`` run row-parallel."""
+    for r in _ok(two, key):
+        conv = (".attn.c_attn", ".attn.c_proj", ".mlp.c_fc", ".mlp.c_proj")
+        rows = [
+            n[: -len(".weight")] for n, pl in r["sharded"].items()
+            if n.endswith(tuple(f"{c}.weight" for c in conv)) and pl == "S(0)"
+        ]  # fmt: skip
+        assert any(f"{m}.bias" not in r["sharded"] for m in rows), r["sharded"]
 
 
 def test_decoding_with_a_gathered_cache(two: dict) -> None:

@@ -33,6 +33,12 @@ TWO = [
     ("passes_on_vs_off", "passes_on_vs_off", ()),
     ("bf16", "bf16_accuracy", ()),
     ("two_instances", "two_instances", ()),
+    # HF Conv1D's torch.addmm(bias, x, W) as a row-parallel down factor (a raw
+    # TypeError before the fix: the rewrite passed addmm a None bias); a tiny graph,
+    # so its Inductor compile stays in CI. Scaled (beta, alpha): refused, computed whole.
+    ("addmm_bias/eager", "compare_training", ("make_addmm_bias", False)),
+    ("addmm_bias/compiled", "compare_training", ("make_addmm_bias", True)),
+    ("addmm_scaled/eager", "compare_training", ("make_addmm_scaled", False)),
 ]
 # GQA's 2 kv heads do not divide over 4 ranks; the others do.
 FOUR = [
@@ -86,7 +92,9 @@ def test_exact_on_4_ranks(four: dict, key: str) -> None:
     _check_exact(result_of(four, key))
 
 
-@pytest.mark.parametrize("key", EXACT_TWO + [f"4:{k}" for k in EXACT_FOUR])
+@pytest.mark.parametrize(
+    "key", [k for k in EXACT_TWO if k != "addmm_scaled/eager"] + [f"4:{k}" for k in EXACT_FOUR]
+)
 def test_no_fallback_anywhere(two: dict, four: dict, key: str) -> None:
     """Every example model is fully sharded: no gather fallback at plan or compile time."""
     res = result_of(four, key[2:]) if key.startswith("4:") else result_of(two, key)
@@ -207,3 +215,22 @@ def test_result_of_fails_on_unknown_keys_and_skips_only_slow(monkeypatch) -> Non
         result_of({"c": {"error": "boom"}}, "c")
     with pytest.raises(AssertionError, match="slow keys that are no check"):
         tp_harness.run_world(2, [("a", "no_such_check", ())], slow={"a", "typo"})
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_addmm_down_factor_with_bias_is_row_parallel(two: dict, mode: str) -> None:
+    """``torch.addmm(b, x, W)`` down factors split on their input dim (``W [d, r]``: S(0)),
+    the bias whole: run as ``mm``, summed, then ``+ b`` once (exactness: ``test_exact_on_2_ranks``)."""
+    for r in ranks(result_of(two, f"addmm_bias/{mode}")):
+        for down in ("down1", "down2"):
+            assert r["sharded"].get(f"{down}.weight") == "S(0)", r["sharded"]
+            assert f"{down}.bias" not in r["sharded"], r["sharded"]
+
+
+def test_scaled_addmm_is_computed_whole(two: dict) -> None:
+    """``beta``/``alpha`` other than 1 is no ``x @ W + b``: computed on whole operands and
+    listed as a fallback, never split (exactness: ``test_exact_on_2_ranks``)."""
+    for r in ranks(result_of(two, "addmm_scaled/eager")):
+        scaled = [f for f in r["fallbacks"] if f.startswith("op 'addmm'")]
+        assert len(scaled) == 2 and all("down" in f for f in scaled), r["fallbacks"]
+        assert not any(n.startswith(("down", "up")) for n in r["sharded"]), r["sharded"]

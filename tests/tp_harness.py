@@ -246,13 +246,15 @@ def _training_result(
 
 
 def compare_training(
-    maker: str, compiled: bool, *, world: int, mesh: Any, steps: int = 3, lr: float = 0.1
-) -> dict[str, Any]:
+    maker: str, compiled: bool, *, world: int, mesh: Any, steps: int = 3, lr: float = 0.1,
+    lowering: str = "inductor",
+) -> dict[str, Any]:  # fmt: skip
     """SGD steps of the parallelized model vs the single-device model, same data.
 
     Compared on this rank, every step: the output element-wise, the loss
     (:func:`probe_loss`), every gathered gradient; after the last step every
     gathered parameter; replicated parameters and gradients against rank 0's.
+    ``compiled``: through ``torch.compile(backend="boost")``, lowered by ``lowering``.
     """
     import boost_compiler
     from tests import models
@@ -264,13 +266,25 @@ def compare_training(
     kw = {"labels": inputs[0]} if takes_labels else {}
     boost_compiler.parallelize(model, mesh, inputs, kw or None)
     plan = model.boost_plan
-    run = torch.compile(model, backend="boost") if compiled else model
+    run = _compiled(model, lowering) if compiled else model
 
     def step(m: torch.nn.Module) -> Any:
         return (run if m is model else m)(*inputs, **kw)
 
     res = _training_result(model, ref, step, world=world, steps=steps, lr=lr, loss_of=probe_loss)
-    return {**res, "fallbacks": plan.fallbacks, "warnings": warned.close()}
+    return {**res, "fallbacks": plan.fallbacks, "warnings": warned.close(), **_sharded(plan)}
+
+
+def _compiled(model: torch.nn.Module, lowering: str) -> Any:
+    """``torch.compile(backend="boost")``; ``lowering="eager"`` runs the same rewritten
+    dynamo graphs without Inductor (no cold Inductor compile on a 2-core CI machine)."""
+    options = None if lowering == "inductor" else {"lowering": lowering}
+    return torch.compile(model, backend="boost", options=options)
+
+
+def _sharded(plan: Any) -> dict[str, dict[str, str]]:
+    """The plan's split parameters and their placements (``"S(0)"``), for rule checks."""
+    return {"sharded": {n: str(pl) for n, pl in plan.params.items() if pl.is_shard}}
 
 
 class _WarningLog(logging.Handler):
@@ -742,7 +756,7 @@ def _read_results(path: str) -> dict[str, Any]:
 
 def compare_training_hf(
     maker: str, compiled: bool, *maker_args: Any, world: int, mesh: Any, steps: int = 3,
-    lr: float = 1e-3, padded: bool = False,
+    lr: float = 1e-3, padded: bool = False, lowering: str = "inductor",
 ) -> dict[str, Any]:  # fmt: skip
     """:func:`compare_training` for models called with ``labels=`` that return ``.loss``.
 
@@ -791,7 +805,7 @@ def compare_training_hf(
     shapes = {n: p.shape for n, p in model.named_parameters()}
     boost_compiler.parallelize(model, mesh, inputs, kw)
     plan = model.boost_plan
-    run = torch.compile(model, backend="boost") if compiled else model
+    run = _compiled(model, lowering) if compiled else model
 
     def step(m: torch.nn.Module) -> Any:
         return (run if m is model else m)(*inputs, **kw)
@@ -806,6 +820,7 @@ def compare_training_hf(
         "fallbacks": plan.fallbacks,
         "warnings": warned.close(),
         "replicated": held_whole,  # read off the local tensors, not the plan
+        **_sharded(plan),
         "bottlenecks": len(plan.bottlenecks),
         "collectives": [
             (c.kind, c.reason, c.forward, c.backward, list(c.global_shape))

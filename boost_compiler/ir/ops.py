@@ -130,28 +130,54 @@ def _is_swap_2d(node: fx.Node) -> bool:
     return len(dims) == 2 and len(shape_of(node) or ()) == 2
 
 
+# Each contraction's operands by position and keyword name: (input, weight, bias).
+_OPERANDS: dict[str, tuple[tuple[int, str], tuple[int, str], tuple[int, str] | None]] = {
+    "linear": ((0, "input"), (1, "weight"), (2, "bias")),
+    "addmm": ((1, "mat1"), (2, "mat2"), (0, "input")),
+    "matmul": ((0, "input"), (1, "other"), None),
+    "mm": ((0, "input"), (1, "mat2"), None),
+}
+
+
+def _operand(node: fx.Node, where: tuple[int, str]) -> Any:
+    pos, name = where
+    return node.args[pos] if len(node.args) > pos else node.kwargs.get(name)
+
+
+def contraction_operands(node: fx.Node) -> tuple[Any, Any, Any]:
+    """``(input, weight, bias)`` of a contraction node as written (bias None where it has
+    none), whether passed by position or by keyword."""
+    x_at, w_at, b_at = _OPERANDS[op_kind(node) or ""]
+    return _operand(node, x_at), _operand(node, w_at), None if b_at is None else (
+        _operand(node, b_at))  # fmt: skip
+
+
 def as_contraction(node: fx.Node, params: set[str]) -> Contraction | None:
     """Recognise ``F.linear(x, W, b)``, ``x @ W``, ``torch.matmul(x, W)``, ``addmm(b, x, W)``.
 
-    ``params`` holds the names of placeholder nodes that are parameters.
+    ``params`` holds the names of placeholder nodes that are parameters. Every reader
+    of the result takes it as ``x @ W (+ b)`` with ``b`` a ``[d_out]`` vector (split on
+    its only dim with the output features, added after a row-parallel sum). A call that
+    is not that (``addmm``'s ``beta``/``alpha`` other than 1, a bias of another shape,
+    which addmm broadcasts, an ``out=``) is no contraction here: it is computed on
+    whole operands, exact.
     """
     kind = op_kind(node)
-    if kind not in _CONTRACTIONS:
+    if kind not in _CONTRACTIONS or "out" in node.kwargs:
         return None
-    if kind == "linear":
-        x, w = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
-        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    elif kind == "addmm":
-        b, x, w = node.args[:3]
-    else:
-        x, w, b = node.args[0], node.args[1], None
+    if kind == "addmm" and any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
+        return None
+    x, w, b = contraction_operands(node)
     found = _weight_placeholder(w, params)
     if found is None or not isinstance(x, fx.Node):
         return None
     ph, transposed = found
     # nn.Linear stores [out, in]; x @ W and addmm read W as [in, out].
     layout = "out_in" if (kind == "linear") != transposed else "in_out"
-    return _make(node, x, ph, b, layout)
+    c = _make(node, x, ph, b, layout)
+    if c is not None and b is not None and shape_of(b) != (c.d_out,):
+        return None
+    return c
 
 
 def _make(node: fx.Node, x: fx.Node, ph: fx.Node, bias: Any, layout: str) -> Contraction | None:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 import torch.fx as fx
 
 from ...ir.op_table import op_kind
-from ...ir.ops import as_contraction, shape_of
+from ...ir.ops import as_contraction, contraction_operands, shape_of
 from ..placement import P, Placement, R, S
 from ..strategy import Call, RuleContext, Strategy, Then, fallback
 from .core import aligned, tensor_inputs
@@ -107,9 +108,7 @@ def _row_parallel(
     gathered first).
     """
     if bias is not None:
-        args = list(node.args)
-        args[2 if op_kind(node) != "addmm" else 0] = None
-        s.call = Call(node.target, tuple(args), dict(node.kwargs), node.op)
+        s.call = _bias_free(node)
     out = shape_of(node)
     reduced = replace(s, then=Then(R, "row-parallel", bias), label="all-reduce")
     if not out or not isinstance(out[-1], int) or out[-1] % ctx.p:
@@ -117,6 +116,21 @@ def _row_parallel(
     to = S(len(out) - 1)
     scattered = replace(s, then=Then(to, "row-parallel", bias), label="reduce-scatter")
     return [reduced, scattered]
+
+
+def _bias_free(node: fx.Node) -> Call:
+    """The node's contraction without its bias: ``F.linear(x, W)``, ``torch.mm(x, W)``.
+
+    ``addmm(b, x, W)`` has no bias-free form of itself (its ``input`` must be a tensor,
+    and a zero one would still be added per rank), so it becomes ``mm(x, W)``: the same
+    2-D operands, the same ``[n, d_out]`` result. ``as_contraction`` admits only the
+    plain ``x @ W + b`` (no ``beta``/``alpha``, a ``[d_out]`` bias): nothing is dropped.
+    """
+    x, w, _ = contraction_operands(node)
+    if op_kind(node) == "addmm":
+        return Call(torch.mm, (x, w))
+    assert op_kind(node) == "linear", node.format_node()  # matmul and mm carry no bias
+    return Call(node.target, (x, w), {}, node.op)
 
 
 def fused_blocks(ctx: RuleContext, node: fx.Node) -> tuple[int, ...]:
