@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
-from ..errors import BoostError, HFFolderError, RemoteCodeError, VocabSizeError
+from ..errors import BoostError, ConversionError, HFFolderError, RemoteCodeError, VocabSizeError
 from ..hf_io import LOW_RANK_KEY, read_layout, record_layout, write_folder
 from .config import TrainConfig, TrainConfigError
 
@@ -224,7 +224,10 @@ def build(cfg: TrainConfig) -> nn.Module:
             log.info("--init-from %s is low-rank already (%s): trained as it is", cfg.init_from,
                      LOW_RANK_KEY)  # fmt: skip
         else:
-            _convert(model, cfg, "svd")
+            try:
+                _convert(model, cfg, "svd")
+            except ConversionError as err:  # a weight the SVD cannot take: say whose folder
+                raise ConversionError(f"--init-from {cfg.init_from}: {err}") from err
             record_layout(model, "svd")
     model.train()  # from_pretrained returns eval mode; dropout as the config says
     _same_on_every_rank(model)
