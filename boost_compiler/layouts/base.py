@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import LayoutError
-from ..hf_io import FORMAT, LOW_RANK_KEY, read_layout
+from ..hf_io import FORMAT, LOW_RANK_KEY, _weights_dtype, read_layout
 from .files import read_tensors, tensor_files
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "scan",
     "source_files",
     "take",
+    "weights_dtype",
 ]
 
 SOURCE_KEY = "boost_source_layout"  # config.json: {"layout": name, "files": {...}, ...}
@@ -292,19 +293,38 @@ def pop_rotary(tensors: dict[str, torch.Tensor], config: Mapping[str, Any], layo
     """Remove the per-layer ``rotary_emb.inv_freq`` buffers older Llama code saved with the
     weights (transformers recomputes them), after checking they are the frequencies
     ``config`` gives (else the folder's RoPE is another one: an error, not a silent change).
-    Returns whether there were any, so that an export writes them back."""
+    Returns whether there were any, so that an export writes them back.
+
+    The check is at the precision the buffer was saved in: a model cast to bf16 before
+    saving (``model.to(torch.bfloat16)`` casts buffers too) rounds each frequency to 8
+    bits of mantissa, which is the same RoPE, not another one.
+    """
     found = [k for k in tensors if k.endswith("." + _ROTARY)]
     want = _inv_freq(config)
     for key in found:
         got = tensors.pop(key)
-        if got.shape != want.shape or not torch.allclose(got.float(), want, rtol=1e-6, atol=0):
-            raise LayoutError(f"{layout}: '{key}' holds other RoPE frequencies than rope_theta "
-                              f"{llama_fields(config).get('rope_theta')} and head_dim give")  # fmt: skip
+        # float32 keeps the former 1e-6 (a few ulps: another expression of the same values)
+        rtol = max(1e-6, torch.finfo(got.dtype).eps) if got.is_floating_point() else 0.0
+        if (got.shape != want.shape or not got.is_floating_point()
+                or not torch.allclose(got.float(), want, rtol=rtol, atol=0)):  # fmt: skip
+            raise LayoutError(f"{layout}: '{key}' ({got.dtype}, shape {tuple(got.shape)}) holds "
+                              f"other RoPE frequencies than rope_theta "
+                              f"{llama_fields(config).get('rope_theta')} and head_dim "
+                              f"{want.numel() * 2} give, even at {got.dtype}'s precision "
+                              f"(relative tolerance {rtol:.1e})")  # fmt: skip
     return bool(found)
 
 
-def rotary_tensors(config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The ``rotary_emb.inv_freq`` buffers :func:`pop_rotary` removed, one per layer."""
-    want = _inv_freq(config)
+def rotary_tensors(
+    config: Mapping[str, Any], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """The ``rotary_emb.inv_freq`` buffers :func:`pop_rotary` removed, one per layer, in
+    ``dtype`` (the weights': those projects' code casts buffers with the model)."""
+    want = _inv_freq(config).to(dtype)
     return {f"model.layers.{i}.self_attn.{_ROTARY}": want.clone()
             for i in range(config["num_hidden_layers"])}  # fmt: skip
+
+
+def weights_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype most of the state dict's tensors have (float32 if none is)."""
+    return _weights_dtype(state_dict)
