@@ -34,7 +34,7 @@ from torch import nn
 from ..errors import LayoutError
 from ..hf_io import LOW_RANK_KEY, from_state_dict
 from . import cola, loro, nanotron, sltrain
-from .base import Converted, Output, Source, scan
+from .base import Converted, Output, Source, check_source, scan
 from .files import write_output
 
 __all__ = ["LAYOUTS", "Layout", "detect", "from_pretrained", "read", "save", "write"]
@@ -67,6 +67,14 @@ def _layout(name: str) -> Layout:
     if name not in LAYOUTS:
         raise LayoutError(f"unknown layout {name!r}; known: {', '.join(sorted(LAYOUTS))}")
     return LAYOUTS[name]
+
+
+def _read(path: str | Path, name: str) -> Converted:
+    """The folder read in layout ``name``, once its config fits its tensors' shapes."""
+    layout = _layout(name)
+    source = scan(path)
+    check_source(source, name, "model_config.json" if name == nanotron.NANOTRON else "config.json")
+    return layout.read(source)
 
 
 def refuse_auto_map(path: str | Path) -> None:
@@ -103,7 +111,7 @@ def read(path: str | Path, layout: str | None = None) -> Converted:
     name = layout or detect(path)
     if name is None:
         raise LayoutError(f"{path}: not in any of the layouts {', '.join(LAYOUTS)} (give one)")
-    return _layout(name).read(scan(path))
+    return _read(path, name)
 
 
 def from_pretrained(
@@ -139,7 +147,7 @@ def from_pretrained(
     name = layout if layout is not None else detect(path)
     if name is None or name == "hf":
         return hf_from_pretrained(path, strict=strict, **kwargs)
-    conv = _layout(name).read(scan(path))
+    conv = _read(path, name)
     return from_state_dict(conv.config, conv.state_dict, strict=strict,
                            where=f"{path} ({name})", **kwargs)  # fmt: skip
 

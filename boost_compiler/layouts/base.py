@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from ..config_checks import check_against_shapes, check_size_fields
 from ..errors import LayoutError
 from ..hf_io import FORMAT, LOW_RANK_KEY, _weights_dtype, read_layout
-from .files import read_tensors, tensor_files
+from .files import read_tensors, tensor_files, tensor_shapes
 
 __all__ = [
     "ATTN",
@@ -35,6 +36,7 @@ __all__ = [
     "Converted",
     "Output",
     "Source",
+    "check_source",
     "common_rank",
     "factor_groups",
     "llama_config",
@@ -78,6 +80,10 @@ class Source:
     keys: frozenset[str]
     _files: dict[str, Any] = field(repr=False)  # key -> the files holding it (files.py)
     _tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape (nanotron's shards: the merged one), from the headers."""
+        return tensor_shapes(self._files)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the folder by key (nanotron's tensor-parallel shards merged)."""
@@ -131,6 +137,20 @@ def scan(path: str | Path, *, need_tensors: bool = True) -> Source:
     return Source(folder, configs, frozenset(files), files)
 
 
+def check_source(source: Source, layout: str, config_file: str) -> None:
+    """The layout's config file against the folder's tensors, before any is read
+    (:mod:`boost_compiler.config_checks`: sizes positive integers, the layers counted there,
+    no size beyond all the tensors' elements): a layout's reader sizes buffers from the
+    config (RoPE frequencies of ``hidden_size / num_attention_heads``)."""
+    config = source.configs.get(config_file)
+    if config is None:
+        return  # the layout's reader names the missing file
+    where = f"{source.path / config_file} ({layout})"
+    check_size_fields(config, where, LayoutError)
+    check_against_shapes(config, source.shapes(), where, f"the safetensors under {source.path}",
+                         LayoutError)  # fmt: skip
+
+
 def llama_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """The Llama hyper-parameters of a transformers config dict under their 4.x names
     (``rope_theta``, ``rope_scaling``), which the other projects' configs use."""
@@ -150,6 +170,7 @@ def llama_config(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     import transformers as tf
 
     fields = {k: v for k, v in values.items() if k in _LLAMA_FIELDS and v is not None}
+    check_size_fields(fields, where, LayoutError)  # transformers divides by some of them
     try:
         config = tf.LlamaConfig(**fields)
     except (TypeError, ValueError) as err:
