@@ -439,7 +439,11 @@ def _weights_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
 
 
 def write_folder(
-    out: str | Path, config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]
+    out: str | Path,
+    config: Mapping[str, Any],
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``config.json`` (with its :data:`LOW_RANK_KEY`), ``model.safetensors`` and
     ``generation_config.json`` to ``out``: a folder :func:`from_pretrained` loads.
@@ -449,9 +453,17 @@ def write_folder(
     the model the config builds, with its layout applied, must have exactly these keys
     and shapes (else :class:`HFFolderError` naming the first differences), so a folder
     that could not load is never written.
+
+    ``out`` must be a new or empty folder, or, with ``overwrite``, one whose earlier model
+    files (:func:`~boost_compiler.output_folder.model_files`) are removed once the check
+    passed; a training run's folder is refused either way
+    (:mod:`boost_compiler.output_folder`).
     """
     from safetensors.torch import save_file
 
+    from .output_folder import check_output_folder, prepare_output_folder
+
+    check_output_folder(out, overwrite=overwrite)  # before the model is even built on meta
     cfg = _config_of(config, "config model_type")
     layout = read_layout(cfg, "the config")
     cfg.dtype = _weights_dtype(state_dict)
@@ -470,7 +482,7 @@ def write_folder(
             f"{sorted(set(want) - set(got))[:6]}, unexpected {sorted(set(got) - set(want))[:6]}, "
             f"other shapes {[(k, got[k], want[k]) for k in shapes[:4]]}"
         )
-    folder = Path(out)
+    folder = prepare_output_folder(out, overwrite=overwrite)
     folder.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(str(folder))
     # Tensors sharing storage cannot go to safetensors: tied weights are written as copies.

@@ -153,15 +153,26 @@ def from_pretrained(
 
 
 def write(out: str | Path, layout: str, config: dict[str, Any],
-          state_dict: dict[str, torch.Tensor]) -> Path:  # fmt: skip
-    """Write a model given as config dict and single-device state dict in ``layout``."""
+          state_dict: dict[str, torch.Tensor], *, overwrite: bool = False) -> Path:  # fmt: skip
+    """Write a model given as config dict and single-device state dict in ``layout``.
+
+    ``out`` must be a new or empty folder; with ``overwrite``, the model files an earlier
+    export left there (another layout's configs and tensors) are removed first, once the
+    model converted, so that a read sees only this layout. A training run's folder is
+    refused either way (:mod:`boost_compiler.output_folder`).
+    """
+    from ..output_folder import check_output_folder, prepare_output_folder
+
+    check_output_folder(out, overwrite=overwrite, error=LayoutError)
     output = _layout(layout).write(Converted(dict(config), dict(state_dict)))
+    prepare_output_folder(out, overwrite=overwrite, error=LayoutError)
     return write_output(out, output.configs, output.tensors, tree=output.tree,
                         sharded=output.sharded)  # fmt: skip
 
 
-def save(model: nn.Module, out: str | Path, layout: str) -> Path:
-    """Write a (single-device) transformers model with factor pairs in ``layout``."""
+def save(model: nn.Module, out: str | Path, layout: str, *, overwrite: bool = False) -> Path:
+    """Write a (single-device) transformers model with factor pairs in ``layout``
+    (``out`` and ``overwrite``: as :func:`write`)."""
     import json
 
     from ..hf_io import layout_record
@@ -175,4 +186,4 @@ def save(model: nn.Module, out: str | Path, layout: str) -> Path:
 
     config = json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[operator]
     config[LOW_RANK_KEY] = layout_record(model)  # the model's pairs as they are now
-    return write(out, layout, config, model.state_dict())
+    return write(out, layout, config, model.state_dict(), overwrite=overwrite)
