@@ -82,7 +82,9 @@ def check_size_fields(
         value = config.get(key)
         if value is None:
             continue
-        if type(value) is not int or value <= 0:  # bool is an int subclass: refused too
+        # a list: one size per layer, as some architectures give intermediate_size
+        values = value if isinstance(value, list) and value else [value]
+        if any(type(v) is not int or v <= 0 for v in values):  # bool is an int: refused too
             raise error(
                 f"{where}: '{key}' is {value!r}; a size or count of the model must be a positive "
                 "integer (transformers would divide by it or build a tensor of that size)"
