@@ -33,7 +33,7 @@ from rich.console import Group
 from rich.table import Table
 from torch import nn
 
-from .convert_rules import LayerConversion
+from .convert_rules import LayerConversion, refuse_non_finite
 from .convert_rules import choose_rank as _choose_rank
 from .convert_rules import covered as _covered
 from .errors import ConversionError, PatternError, RankError, UnsupportedModuleError
@@ -420,6 +420,8 @@ def to_low_rank(
             continue
         if method == "svd" and mod.weight.is_meta:
             raise ConversionError(f"method='svd' needs the values of '{name}'s weight (on meta)")
+        if method == "svd":
+            refuse_non_finite(f"{name}.weight", mod.weight)
         plan.append((name, mod, r))
 
     if routed:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .convert_rules import LayerConversion, choose_rank, covered
+from .convert_rules import LayerConversion, choose_rank, covered, refuse_non_finite
 
 
 def is_routed_experts(mod: nn.Module) -> bool:
@@ -184,6 +184,9 @@ def plan_experts(
             from .errors import ConversionError
 
             raise ConversionError(f"method='svd' needs the values of '{name}'s experts (on meta)")
+        if method == "svd":
+            for attr in ("gate_up_proj", "down_proj"):
+                refuse_non_finite(f"{name}.{attr}", getattr(mod, attr))
         plan.append((name, mod, (r1, r2)))
     return plan
 

@@ -1,5 +1,6 @@
 """What every converter of ``to_low_rank`` shares: the report row, pattern matching, the
-rank rule (:mod:`.convert` for linear layers, :mod:`.convert_experts` for routed experts)."""
+rank rule, the weights an SVD can take (:mod:`.convert` for linear layers,
+:mod:`.convert_experts` for routed experts)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import RankError
+import torch
+
+from .errors import ConversionError, RankError
 
 
 @dataclass(frozen=True)
@@ -52,3 +55,17 @@ def choose_rank(
     if r <= 0:
         return None, f"rank_ratio {ratio} x {m} rounds to 0 (multiple_of={multiple_of})"
     return r, ""
+
+
+def refuse_non_finite(name: str, w: torch.Tensor) -> None:
+    """A weight with NaN or infinite values has no SVD (LAPACK fails to converge, raising
+    ``torch.linalg.LinAlgError`` mid-conversion): named here, before any module changes."""
+    bad = ~torch.isfinite(w.detach())
+    if bool(bad.any()):
+        nan = int(torch.isnan(w.detach()).sum())
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ConversionError(
+            f"'{name}' {tuple(w.shape)} holds {nan} NaN and {int(bad.sum()) - nan} infinite "
+            f"value(s) (the first at {where}): its SVD is undefined. The weights come from a "
+            "diverged or damaged checkpoint: load an earlier one, or repair the tensor"
+        )

@@ -109,6 +109,12 @@ class UnknownConfigError(BoostError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class OutputPathError(BoostError, ValueError):
+    """A report's output path that cannot be written as asked (``boost explain --out``, the
+    ``out_dir`` of :func:`~boost_compiler.explain.explain`): a file, or a path under one,
+    where a folder goes (names the path)."""
+
+
 class TrainConfigError(BoostError, ValueError):
     """A training configuration value is missing, unknown or inconsistent (names it)."""
 

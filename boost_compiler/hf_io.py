@@ -37,6 +37,7 @@ front by :func:`refuse_remote_code`, which ``boost explain`` uses too.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from collections.abc import Mapping
@@ -46,6 +47,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .config_checks import (
+    check_against_shapes,
+    check_built_shapes,
+    check_size_fields,
+    header_shapes,
+)
 from .convert import LowRankLinear, _conv1d_type, _dims, low_rank_layout
 from .errors import BoostError, HFFolderError, RemoteCodeError
 
@@ -53,6 +60,7 @@ __all__ = [
     "FORMAT",
     "LOW_RANK_KEY",
     "apply_layout",
+    "auto_config",
     "from_pretrained",
     "from_state_dict",
     "layout_record",
@@ -313,31 +321,60 @@ def from_pretrained(path: str | Path, *, strict: bool = True, **kwargs: Any) -> 
         model = boost_compiler.from_pretrained("tiny-low-rank")
         print(model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5))
     """
-    tf = _transformers()
+    _transformers()  # the [hf] extra, named before anything else
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise HFFolderError(f"{folder}: no config.json (not a Hugging Face model folder)")
-    refuse_remote_code(folder)
+    file = folder / "config.json"
+    check_size_fields(refuse_remote_code(folder), str(file))  # before transformers divides
     clash = sorted(k for k, v in kwargs.items() if k in _FORCED and v != _FORCED[k])
     if clash:
         raise HFFolderError(f"from_pretrained fixes {', '.join(clash)}: loading runs no code "
                             "from the folder and reads only local safetensors")  # fmt: skip
     kwargs = {k: v for k, v in kwargs.items() if k not in _FORCED}
-    config = kwargs.pop("config", None) or tf.AutoConfig.from_pretrained(str(folder), **_FORCED)
-    layout = read_layout(config, str(folder / "config.json"))
+    config = kwargs.pop("config", None) or auto_config(folder)
+    layout = read_layout(config, str(file))
     cls = causal_lm_class(config)
     if layout is not None:
         cls = _low_rank_class(cls)
-    if not any(folder.glob("*.safetensors")):
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
         raise HFFolderError(f"{folder}: no .safetensors weights (pickled weights are not read)")
-    return _load(cls, str(folder), config, strict, kwargs, str(folder))
+    shapes = header_shapes(weights)
+    files = weights[0].name if len(weights) == 1 else f"{len(weights)} safetensors files"
+    check_against_shapes(config, shapes, str(file), files)
+    return _load(cls, str(folder), config, strict, kwargs, str(folder), shapes, files)
+
+
+def auto_config(folder: Path) -> Any:
+    """transformers' config of the folder (local, no code); the errors of its validation
+    of the values (a head count that does not divide the width) named as ours."""
+    try:
+        return _transformers().AutoConfig.from_pretrained(str(folder), **_FORCED)
+    except (ValueError, TypeError, ArithmeticError) as err:  # its checks of the values
+        raise HFFolderError(
+            f"{folder / 'config.json'}: not a configuration transformers accepts "
+            f"({type(err).__name__}: {err})"
+        ) from err
 
 
 def _load(
-    cls: type, path: str | None, config: Any, strict: bool, kwargs: dict[str, Any], where: str
-) -> Any:
+    cls: type, path: str | None, config: Any, strict: bool, kwargs: dict[str, Any], where: str,
+    shapes: Mapping[str, tuple[int, ...]], files: str,
+) -> Any:  # fmt: skip
     """transformers' own loading (from the folder, or from ``kwargs["state_dict"]`` when
-    ``path`` is None), with what it only warns about made an error under ``strict``."""
+    ``path`` is None), with what it only warns about made an error under ``strict``.
+
+    ``shapes`` (the weights' shapes, ``files`` naming where they are) are compared first with
+    the model the config builds on the meta device (:mod:`boost_compiler.config_checks`):
+    transformers would allocate a mismatched weight at the config's size before naming it.
+    A quantized config stores packed weights of other shapes: not compared.
+    """
+    if strict and getattr(config, "quantization_config", None) is None:
+        with torch.device("meta"):  # a copy: building sets fields (attention implementation)
+            built = cls(copy.deepcopy(config))
+        check_built_shapes(built, shapes, config, where, files)
+        del built
     if strict:  # mismatched shapes come back in the loading info (named), not as a bare error
         kwargs.setdefault("ignore_mismatched_sizes", True)
     model, info = cls.from_pretrained(
@@ -367,6 +404,7 @@ def from_state_dict(
     transformers builds its own class from ``model_type`` and loads ``state_dict`` into it,
     with the same strictness (``where`` names the source in errors).
     """
+    check_size_fields(config, where)
     cfg = _config_of(config, f"{where}: model_type")
     cls = causal_lm_class(cfg)
     if read_layout(cfg, where) is not None:
@@ -374,8 +412,10 @@ def from_state_dict(
     clash = sorted(k for k in kwargs if k in _FORCED or k in ("config", "state_dict"))
     if clash:
         raise HFFolderError(f"from_state_dict fixes {', '.join(clash)}")
+    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+    check_against_shapes(cfg, shapes, where, "the state dict")
     kwargs = {**kwargs, "state_dict": dict(state_dict)}
-    return _load(cls, None, cfg, strict, kwargs, where)
+    return _load(cls, None, cfg, strict, kwargs, where, shapes, "the state dict")
 
 
 def _config_of(config: Mapping[str, Any], what: str) -> Any:
@@ -386,7 +426,11 @@ def _config_of(config: Mapping[str, Any], what: str) -> Any:
     model_type = values.pop("model_type", None)
     if model_type not in tf.CONFIG_MAPPING:
         raise HFFolderError(f"{what} {model_type!r} is not a transformers model type")
-    return tf.CONFIG_MAPPING[model_type].from_dict(values)
+    try:
+        return tf.CONFIG_MAPPING[model_type].from_dict(values)
+    except (ValueError, TypeError, ArithmeticError) as err:  # its validation of the values
+        raise HFFolderError(f"{what} {model_type!r}: not a configuration transformers accepts "
+                            f"({type(err).__name__}: {err})") from err  # fmt: skip
 
 
 def _weights_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
@@ -395,7 +439,11 @@ def _weights_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
 
 
 def write_folder(
-    out: str | Path, config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor]
+    out: str | Path,
+    config: Mapping[str, Any],
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``config.json`` (with its :data:`LOW_RANK_KEY`), ``model.safetensors`` and
     ``generation_config.json`` to ``out``: a folder :func:`from_pretrained` loads.
@@ -405,9 +453,17 @@ def write_folder(
     the model the config builds, with its layout applied, must have exactly these keys
     and shapes (else :class:`HFFolderError` naming the first differences), so a folder
     that could not load is never written.
+
+    ``out`` must be a new or empty folder, or, with ``overwrite``, one whose earlier model
+    files (:func:`~boost_compiler.output_folder.model_files`) are removed once the check
+    passed; a training run's folder is refused either way
+    (:mod:`boost_compiler.output_folder`).
     """
     from safetensors.torch import save_file
 
+    from .output_folder import check_output_folder, prepare_output_folder
+
+    check_output_folder(out, overwrite=overwrite)  # before the model is even built on meta
     cfg = _config_of(config, "config model_type")
     layout = read_layout(cfg, "the config")
     cfg.dtype = _weights_dtype(state_dict)
@@ -426,7 +482,7 @@ def write_folder(
             f"{sorted(set(want) - set(got))[:6]}, unexpected {sorted(set(got) - set(want))[:6]}, "
             f"other shapes {[(k, got[k], want[k]) for k in shapes[:4]]}"
         )
-    folder = Path(out)
+    folder = prepare_output_folder(out, overwrite=overwrite)
     folder.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(str(folder))
     # Tensors sharing storage cannot go to safetensors: tied weights are written as copies.

@@ -51,6 +51,10 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
                    help="model.safetensors, model.pt, or the folder for --format hf or a "
                    "layout")  # fmt: skip
     p.add_argument("out_path", nargs="?", default=None, metavar="OUT", help="the same as --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--format hf or a layout: write into a folder that is not empty, "
+                   "removing the model files an earlier export left there (configs, "
+                   "safetensors; other files stay); never a training run's folder")  # fmt: skip
 
 
 def _export_run(args: argparse.Namespace) -> int:
@@ -66,11 +70,11 @@ def _export_run(args: argparse.Namespace) -> int:
     if fmt == "hf":
         from ..train.hf_model import export_hf
 
-        info = export_hf(args.checkpoint, out)
+        info = export_hf(args.checkpoint, out, overwrite=args.overwrite)
     elif fmt in LAYOUT_FORMATS:
         from ..train.hf_model import export_layout
 
-        info = export_layout(args.checkpoint, out, fmt)
+        info = export_layout(args.checkpoint, out, fmt, overwrite=args.overwrite)
     else:
         if (fmt == "safetensors") != safetensors:
             raise TrainConfigError(

@@ -23,7 +23,7 @@ from torch import nn
 from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
 from ..costmodel import LlamaDims, cost, plan_comm
-from ..errors import BoostError
+from ..errors import BoostError, OutputPathError
 from ..ir.capture import CapturedGraph, capture
 from ..ir.dump import GraphDumper
 from ..ir.ops import value_of
@@ -191,9 +191,11 @@ def explain(
     """
     t0 = time.perf_counter()
     opts = BoostOptions.parse(options)
+    out = Path(out_dir) if out_dir is not None else None
+    if out is not None:
+        _check_out_dir(out)  # before the capture: a bad --out found after it wastes the run
     graphs = capture(model, tuple(example_inputs), example_kwargs)
     main = max(range(len(graphs)), key=lambda i: len(graphs[i].gm.graph.nodes))
-    out = Path(out_dir) if out_dir is not None else None
     run = _Run(type(model).__name__, TPPlan(p=tp, group=""), layer)
     with simulated_group(tp) as group:
         run.plan.group = group.name
@@ -213,6 +215,15 @@ def explain(
         report.seconds = time.perf_counter() - t0
     log.info("explain: %s, tp=%d, %.1f s", report.model_name, tp, report.seconds)
     return report
+
+
+def _check_out_dir(out: Path) -> None:
+    """The report folder can be made: neither it nor a folder above it is a file."""
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            what = "is a file" if p == out else f"is under {p}, a file"
+            raise OutputPathError(f"--out (out_dir) {out} {what}: the report is a folder (report.html, "
+                                  "plan.json, drawings): give a folder's path")  # fmt: skip
 
 
 def _explain_graph(

@@ -34,7 +34,7 @@ from torch import nn
 from ..errors import LayoutError
 from ..hf_io import LOW_RANK_KEY, from_state_dict
 from . import cola, loro, nanotron, sltrain
-from .base import Converted, Output, Source, scan
+from .base import Converted, Output, Source, check_source, scan
 from .files import write_output
 
 __all__ = ["LAYOUTS", "Layout", "detect", "from_pretrained", "read", "save", "write"]
@@ -67,6 +67,14 @@ def _layout(name: str) -> Layout:
     if name not in LAYOUTS:
         raise LayoutError(f"unknown layout {name!r}; known: {', '.join(sorted(LAYOUTS))}")
     return LAYOUTS[name]
+
+
+def _read(path: str | Path, name: str) -> Converted:
+    """The folder read in layout ``name``, once its config fits its tensors' shapes."""
+    layout = _layout(name)
+    source = scan(path)
+    check_source(source, name, "model_config.json" if name == nanotron.NANOTRON else "config.json")
+    return layout.read(source)
 
 
 def refuse_auto_map(path: str | Path) -> None:
@@ -103,7 +111,7 @@ def read(path: str | Path, layout: str | None = None) -> Converted:
     name = layout or detect(path)
     if name is None:
         raise LayoutError(f"{path}: not in any of the layouts {', '.join(LAYOUTS)} (give one)")
-    return _layout(name).read(scan(path))
+    return _read(path, name)
 
 
 def from_pretrained(
@@ -139,21 +147,32 @@ def from_pretrained(
     name = layout if layout is not None else detect(path)
     if name is None or name == "hf":
         return hf_from_pretrained(path, strict=strict, **kwargs)
-    conv = _layout(name).read(scan(path))
+    conv = _read(path, name)
     return from_state_dict(conv.config, conv.state_dict, strict=strict,
                            where=f"{path} ({name})", **kwargs)  # fmt: skip
 
 
 def write(out: str | Path, layout: str, config: dict[str, Any],
-          state_dict: dict[str, torch.Tensor]) -> Path:  # fmt: skip
-    """Write a model given as config dict and single-device state dict in ``layout``."""
+          state_dict: dict[str, torch.Tensor], *, overwrite: bool = False) -> Path:  # fmt: skip
+    """Write a model given as config dict and single-device state dict in ``layout``.
+
+    ``out`` must be a new or empty folder; with ``overwrite``, the model files an earlier
+    export left there (another layout's configs and tensors) are removed first, once the
+    model converted, so that a read sees only this layout. A training run's folder is
+    refused either way (:mod:`boost_compiler.output_folder`).
+    """
+    from ..output_folder import check_output_folder, prepare_output_folder
+
+    check_output_folder(out, overwrite=overwrite, error=LayoutError)
     output = _layout(layout).write(Converted(dict(config), dict(state_dict)))
+    prepare_output_folder(out, overwrite=overwrite, error=LayoutError)
     return write_output(out, output.configs, output.tensors, tree=output.tree,
                         sharded=output.sharded)  # fmt: skip
 
 
-def save(model: nn.Module, out: str | Path, layout: str) -> Path:
-    """Write a (single-device) transformers model with factor pairs in ``layout``."""
+def save(model: nn.Module, out: str | Path, layout: str, *, overwrite: bool = False) -> Path:
+    """Write a (single-device) transformers model with factor pairs in ``layout``
+    (``out`` and ``overwrite``: as :func:`write`)."""
     import json
 
     from ..hf_io import layout_record
@@ -167,4 +186,4 @@ def save(model: nn.Module, out: str | Path, layout: str) -> Path:
 
     config = json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[operator]
     config[LOW_RANK_KEY] = layout_record(model)  # the model's pairs as they are now
-    return write(out, layout, config, model.state_dict())
+    return write(out, layout, config, model.state_dict(), overwrite=overwrite)

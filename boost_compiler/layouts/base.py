@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from ..config_checks import check_against_shapes, check_size_fields
 from ..errors import LayoutError
-from ..hf_io import FORMAT, LOW_RANK_KEY, read_layout
-from .files import read_tensors, tensor_files
+from ..hf_io import FORMAT, LOW_RANK_KEY, _weights_dtype, read_layout
+from .files import read_tensors, tensor_files, tensor_shapes
 
 __all__ = [
     "ATTN",
@@ -35,6 +36,7 @@ __all__ = [
     "Converted",
     "Output",
     "Source",
+    "check_source",
     "common_rank",
     "factor_groups",
     "llama_config",
@@ -49,6 +51,7 @@ __all__ = [
     "scan",
     "source_files",
     "take",
+    "weights_dtype",
 ]
 
 SOURCE_KEY = "boost_source_layout"  # config.json: {"layout": name, "files": {...}, ...}
@@ -77,6 +80,10 @@ class Source:
     keys: frozenset[str]
     _files: dict[str, Any] = field(repr=False)  # key -> the files holding it (files.py)
     _tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape (nanotron's shards: the merged one), from the headers."""
+        return tensor_shapes(self._files)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor of the folder by key (nanotron's tensor-parallel shards merged)."""
@@ -130,6 +137,20 @@ def scan(path: str | Path, *, need_tensors: bool = True) -> Source:
     return Source(folder, configs, frozenset(files), files)
 
 
+def check_source(source: Source, layout: str, config_file: str) -> None:
+    """The layout's config file against the folder's tensors, before any is read
+    (:mod:`boost_compiler.config_checks`: sizes positive integers, the layers counted there,
+    no size beyond all the tensors' elements): a layout's reader sizes buffers from the
+    config (RoPE frequencies of ``hidden_size / num_attention_heads``)."""
+    config = source.configs.get(config_file)
+    if config is None:
+        return  # the layout's reader names the missing file
+    where = f"{source.path / config_file} ({layout})"
+    check_size_fields(config, where, LayoutError)
+    check_against_shapes(config, source.shapes(), where, f"the safetensors under {source.path}",
+                         LayoutError)  # fmt: skip
+
+
 def llama_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """The Llama hyper-parameters of a transformers config dict under their 4.x names
     (``rope_theta``, ``rope_scaling``), which the other projects' configs use."""
@@ -149,6 +170,7 @@ def llama_config(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     import transformers as tf
 
     fields = {k: v for k, v in values.items() if k in _LLAMA_FIELDS and v is not None}
+    check_size_fields(fields, where, LayoutError)  # transformers divides by some of them
     try:
         config = tf.LlamaConfig(**fields)
     except (TypeError, ValueError) as err:
@@ -292,19 +314,38 @@ def pop_rotary(tensors: dict[str, torch.Tensor], config: Mapping[str, Any], layo
     """Remove the per-layer ``rotary_emb.inv_freq`` buffers older Llama code saved with the
     weights (transformers recomputes them), after checking they are the frequencies
     ``config`` gives (else the folder's RoPE is another one: an error, not a silent change).
-    Returns whether there were any, so that an export writes them back."""
+    Returns whether there were any, so that an export writes them back.
+
+    The check is at the precision the buffer was saved in: a model cast to bf16 before
+    saving (``model.to(torch.bfloat16)`` casts buffers too) rounds each frequency to 8
+    bits of mantissa, which is the same RoPE, not another one.
+    """
     found = [k for k in tensors if k.endswith("." + _ROTARY)]
     want = _inv_freq(config)
     for key in found:
         got = tensors.pop(key)
-        if got.shape != want.shape or not torch.allclose(got.float(), want, rtol=1e-6, atol=0):
-            raise LayoutError(f"{layout}: '{key}' holds other RoPE frequencies than rope_theta "
-                              f"{llama_fields(config).get('rope_theta')} and head_dim give")  # fmt: skip
+        # float32 keeps the former 1e-6 (a few ulps: another expression of the same values)
+        rtol = max(1e-6, torch.finfo(got.dtype).eps) if got.is_floating_point() else 0.0
+        if (got.shape != want.shape or not got.is_floating_point()
+                or not torch.allclose(got.float(), want, rtol=rtol, atol=0)):  # fmt: skip
+            raise LayoutError(f"{layout}: '{key}' ({got.dtype}, shape {tuple(got.shape)}) holds "
+                              f"other RoPE frequencies than rope_theta "
+                              f"{llama_fields(config).get('rope_theta')} and head_dim "
+                              f"{want.numel() * 2} give, even at {got.dtype}'s precision "
+                              f"(relative tolerance {rtol:.1e})")  # fmt: skip
     return bool(found)
 
 
-def rotary_tensors(config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The ``rotary_emb.inv_freq`` buffers :func:`pop_rotary` removed, one per layer."""
-    want = _inv_freq(config)
+def rotary_tensors(
+    config: Mapping[str, Any], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """The ``rotary_emb.inv_freq`` buffers :func:`pop_rotary` removed, one per layer, in
+    ``dtype`` (the weights': those projects' code casts buffers with the model)."""
+    want = _inv_freq(config).to(dtype)
     return {f"model.layers.{i}.self_attn.{_ROTARY}": want.clone()
             for i in range(config["num_hidden_layers"])}  # fmt: skip
+
+
+def weights_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype most of the state dict's tensors have (float32 if none is)."""
+    return _weights_dtype(state_dict)

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import LayoutError
 
-__all__ = ["read_tensors", "tensor_files", "write_output"]
+__all__ = ["read_tensors", "tensor_files", "tensor_shapes", "write_output"]
 
 _SHARD = re.compile(r"^model_(?P<leaf>.+?)(?:_pp-rank-\d+-of-\d+_tp-rank-(?P<tp>\d+)-of-(?P<tps>\d+))?"
                     r"(?:_exp-rank-\d+-of-\d+)?\.safetensors$")  # fmt: skip
@@ -97,6 +97,28 @@ def _merge(key: str, stored: Stored) -> torch.Tensor:
         raise LayoutError(f"{stored[0][0].parent}: the shards of '{key}' do not cover it (a "
                           "tensor-parallel rank's file is missing)")  # fmt: skip
     return full
+
+
+def tensor_shapes(files: dict[str, Stored]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the files' headers (a Nanotron shard's ``unsharded_shape``):
+    no tensor is read, so a config can be checked against them first."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for key, stored in files.items():
+        for file, name in stored:
+            by_file.setdefault(file, []).append((key, name))
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file, entries in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                whole = (f.metadata() or {}).get("unsharded_shape")
+                for key, name in entries:
+                    shapes[key] = (tuple(int(x) for x in whole.strip("()").split(",") if x)
+                                   if whole else tuple(f.get_slice(name).get_shape()))  # fmt: skip
+        except Exception as err:  # safetensors' error, or an unsharded_shape that is no shape
+            raise LayoutError(f"{file}: cannot read its tensors' shapes ({err})") from err
+    return shapes
 
 
 def read_tensors(files: dict[str, Stored]) -> dict[str, torch.Tensor]:

@@ -39,6 +39,7 @@ from .base import (
     pair_spec,
     pop_rotary,
     rotary_tensors,
+    weights_dtype,
 )
 from .flat import export_pairs, import_pairs, no_leftover, pop_leaf
 
@@ -101,5 +102,5 @@ def write(conv: Converted) -> Output:
     config = layout_config(conv, LORO, "config.json", made)
     source = conv.config.get(SOURCE_KEY) or {}
     if source.get("layout") == LORO and source.get("rotary_buffers"):
-        tensors.update(rotary_tensors(conv.config))
+        tensors.update(rotary_tensors(conv.config, weights_dtype(conv.state_dict)))
     return Output({"config.json": config}, tensors)

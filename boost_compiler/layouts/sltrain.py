@@ -55,6 +55,7 @@ from .base import (
     pop_rotary,
     require,
     rotary_tensors,
+    weights_dtype,
 )
 from .flat import export_pairs, import_pairs, layer_projections, no_leftover, pop_leaf
 
@@ -169,5 +170,5 @@ def write(conv: Converted) -> Output:
             "architectures": ["LlamaForCausalLM"]}  # fmt: skip
     config = layout_config(conv, SLTRAIN, "config.json", made)
     if source.get("rotary_buffers"):
-        tensors.update(rotary_tensors(conv.config))
+        tensors.update(rotary_tensors(conv.config, weights_dtype(conv.state_dict)))
     return Output({"config.json": config, "splora_config.json": splora}, tensors)

@@ -85,7 +85,9 @@ def hf_config(
     """A Hugging Face causal LM from ``folder/config.json``, on the meta device (no weights read).
 
     With ``rank_ratio``, ``boost_compiler.to_low_rank(model, rank_ratio, method="cola")`` first:
-    a dense model has no bottleneck to find.
+    a dense model has no bottleneck to find. A folder holding safetensors weights has its
+    config checked against their headers first (:mod:`boost_compiler.config_checks`): a
+    config those weights refute explains another model than the folder's.
     """
     try:
         import transformers
@@ -94,14 +96,27 @@ def hf_config(
             f"{folder} is a Hugging Face config folder: install the [hf] extra "
             "(pip install 'boost-compiler[hf]')"
         ) from err
-    from ..hf_io import refuse_remote_code
-
-    refuse_remote_code(Path(folder))  # a folder's own code never runs, whatever it asks
-    cfg = transformers.AutoConfig.from_pretrained(
-        str(folder), local_files_only=True, trust_remote_code=False
+    from ..config_checks import (
+        check_against_shapes,
+        check_built_shapes,
+        check_size_fields,
+        header_shapes,
     )
+    from ..hf_io import auto_config, refuse_remote_code
+
+    file = Path(folder) / "config.json"
+    # a folder's own code never runs, whatever it asks; sizes transformers divides by
+    check_size_fields(refuse_remote_code(Path(folder)), str(file))
+    cfg = auto_config(Path(folder))
+    weights = sorted(Path(folder).glob("*.safetensors"))
+    shapes = header_shapes(weights)
+    files = ", ".join(w.name for w in weights[:3]) + (", ..." if len(weights) > 3 else "")
+    if weights:
+        check_against_shapes(cfg, shapes, str(file), files)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
+    if weights:  # the dense model: a boost export's factor keys are not among its keys
+        check_built_shapes(model, shapes, cfg, str(file), files)
     if rank_ratio is not None:
         from ..convert import to_low_rank
 

@@ -151,7 +151,8 @@ class TPPlan:
             plan.choices = [Choice(**c) for c in data.get("choices", [])]
         except PlanFileError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
+            # OverflowError: int(float("inf")), a size no plan can have
             raise PlanFileError(f"{source}: malformed plan ({type(err).__name__}: {err})") from err
         return plan
 
@@ -166,12 +167,23 @@ class TPPlan:
     def load(path: str | Path) -> TPPlan:
         """A plan saved by :meth:`save` or by ``boost explain`` (its ``plan.json``)."""
         path = Path(path)
+
+        def no_constant(name: str) -> Any:
+            # Python's JSON reader accepts Infinity / NaN, which no size or degree can be
+            raise PlanFileError(f"{path}: {name} is not a number a plan holds (a degree, a "
+                                "shape, a byte count are finite integers)")  # fmt: skip
+
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(), parse_constant=no_constant)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise PlanFileError(
                 f"{path}: cannot read a plan ({type(err).__name__}: {err})"
             ) from err
+        except RecursionError:  # the reader recurses once per nesting level
+            raise PlanFileError(
+                f"{path}: nested deeper than Python's JSON reader follows (a saved plan is a "
+                "few levels deep): not a plan boost wrote"
+            ) from None
         plan = TPPlan.from_json(data, str(path))
         plan.forced_from = str(path)
         return plan

@@ -156,6 +156,17 @@ def _options(cfg: TrainConfig) -> Any:
     return ReadOptions(cfg.text_field, cfg.txt_unit, cfg.eval_fraction)
 
 
+def check_paths(cfg: TrainConfig) -> None:
+    """``--data`` / ``--eval-data`` name readable data files (:class:`DataError` naming the
+    path and what it is): checked with the flags, before the run folder is claimed (which
+    ``--overwrite`` clears) or a model is built."""
+    from .stream import resolve_files
+
+    for flag, value in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+        if _paths(value):
+            resolve_files(_paths(value), flag)
+
+
 def open_data(cfg: TrainConfig, dp_rank: int, dp: int) -> DataSource:
     """``--data`` through the tokenizer (:mod:`.stream`), or the embedded corpus."""
     if not _paths(cfg.data):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
-from ..errors import BoostError, HFFolderError, RemoteCodeError, VocabSizeError
+from ..errors import BoostError, ConversionError, HFFolderError, RemoteCodeError, VocabSizeError
 from ..hf_io import LOW_RANK_KEY, read_layout, record_layout, write_folder
 from .config import TrainConfig, TrainConfigError
 
@@ -224,7 +224,10 @@ def build(cfg: TrainConfig) -> nn.Module:
             log.info("--init-from %s is low-rank already (%s): trained as it is", cfg.init_from,
                      LOW_RANK_KEY)  # fmt: skip
         else:
-            _convert(model, cfg, "svd")
+            try:
+                _convert(model, cfg, "svd")
+            except ConversionError as err:  # a weight the SVD cannot take: say whose folder
+                raise ConversionError(f"--init-from {cfg.init_from}: {err}") from err
             record_layout(model, "svd")
     model.train()  # from_pretrained returns eval mode; dropout as the config says
     _same_on_every_rank(model)
@@ -247,11 +250,16 @@ def config_record(model: nn.Module) -> dict[str, Any]:
     return json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[operator]
 
 
-def export_hf(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
+def export_hf(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False
+              ) -> dict[str, Any]:  # fmt: skip
     """``boost export --format hf``: the checkpoint's model as a folder that
-    :func:`boost_compiler.from_pretrained` (and transformers, for the weights) loads."""
+    :func:`boost_compiler.from_pretrained` (and transformers, for the weights) loads.
+    ``out``: a new or empty folder, or with ``overwrite`` one whose model files are
+    replaced; never a training run's folder (checked before the checkpoint is read)."""
+    from ..output_folder import check_output_folder
     from .checkpoint import single_device_state_dict
 
+    check_output_folder(out, overwrite=overwrite)
     sd, state = single_device_state_dict(checkpoint)
     config = state.get(STATE_KEY)
     if config is None:
@@ -259,18 +267,23 @@ def export_hf(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
             f"{checkpoint}: a checkpoint of the packaged CoLA-LLaMA, not of a transformers model "
             "(--hf-config / --init-from): export it with --format safetensors"
         )
-    folder = write_folder(out, config, sd)
+    folder = write_folder(out, config, sd, overwrite=overwrite)
     return {"path": str(folder), "step": state["step"], "tensors": len(sd),
             "numel": sum(t.numel() for t in sd.values())}  # fmt: skip
 
 
-def export_layout(checkpoint: str | Path, out: str | Path, layout: str) -> dict[str, Any]:
+def export_layout(checkpoint: str | Path, out: str | Path, layout: str, *,
+                  overwrite: bool = False) -> dict[str, Any]:  # fmt: skip
     """``boost export --format <layout>``: the checkpoint's model in another project's
     low-rank layout (:mod:`boost_compiler.layouts`: CoLA, CoLA-M, LORO, SLTrain, the BOOST
-    reference's Nanotron), for a run of ``--hf-config`` / ``--init-from``."""
+    reference's Nanotron), for a run of ``--hf-config`` / ``--init-from``; ``out`` and
+    ``overwrite`` as :func:`export_hf`."""
+    from ..errors import LayoutError
     from ..layouts import write
+    from ..output_folder import check_output_folder
     from .checkpoint import single_device_state_dict
 
+    check_output_folder(out, overwrite=overwrite, error=LayoutError)
     sd, state = single_device_state_dict(checkpoint)
     config = state.get(STATE_KEY)
     if config is None:
@@ -278,6 +291,6 @@ def export_layout(checkpoint: str | Path, out: str | Path, layout: str) -> dict[
             f"{checkpoint}: a checkpoint of the packaged CoLA-LLaMA, not of a transformers model "
             f"(--hf-config / --init-from): --format {layout} writes transformers models only"
         )
-    folder = write(out, layout, config, sd)
+    folder = write(out, layout, config, sd, overwrite=overwrite)
     return {"path": str(folder), "step": state["step"], "tensors": len(sd),
             "numel": sum(t.numel() for t in sd.values())}  # fmt: skip

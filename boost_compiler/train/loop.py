@@ -36,6 +36,7 @@ from . import checkpoint as ckpt
 from . import comm, divergence, hf_model, mfu, report, run_folder
 from .clip import clip_grad_norm_
 from .config import TrainConfig, TrainConfigError
+from .data import check_paths as check_data_paths
 from .evaluate import validate
 from .report import Metrics, default_plot, plot_losses, progress_bar, read_metrics
 from .setup import Run, setup
@@ -201,6 +202,7 @@ def _check_flags(cfg: TrainConfig) -> report.TensorBoard | None:
     a bad value or a missing package stops every rank with nothing written."""
     cfg.validate(dist.get_world_size())
     hf_model.check(cfg)
+    check_data_paths(cfg)
     return report.open_tensorboard(cfg, enabled=dist.get_rank() == 0)
 
 

@@ -11,6 +11,7 @@ folders and the old metrics into ``DIR/corrupt/``, never deleting them).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -62,6 +63,17 @@ class RunLock:
                 holder = os.read(fd, 4096).decode(errors="replace").strip()
                 os.close(fd)
                 raise RunLockedError(_locked_message(folder, holder)) from None
+            except OSError as err:  # ENOSYS, ENOLCK, EOPNOTSUPP: a filesystem without flock
+                if os.fstat(fd).st_size == 0:  # the empty file just made: leave nothing behind
+                    path.unlink(missing_ok=True)
+                os.close(fd)
+                name = errno.errorcode.get(err.errno or 0, str(err.errno))
+                raise RunFolderError(
+                    f"--checkpoint-dir {folder}: cannot lock {path} ({name}: {err.strerror}): "
+                    "its filesystem does not support flock (some network, FUSE or container "
+                    "filesystems), and without the lock two trainers could write one folder: "
+                    "give a --checkpoint-dir on a local filesystem"
+                ) from err
             if _same_file(fd, path):
                 break
             os.close(fd)

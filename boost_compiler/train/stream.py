@@ -79,10 +79,34 @@ def resolve_files(paths: Sequence[str], flag: str = "--data") -> list[Path]:
                     f"{flag} {p}: unknown extension {p.suffix or '(none)'!r}; {flag} takes .txt, "
                     ".jsonl and .parquet files, or folders of them"
                 )
+            if p.stat().st_size == 0:
+                raise DataError(f"{flag} {p}: the file is empty (0 bytes): no documents to "
+                                "read; give a file with text in it")  # fmt: skip
             out.append(p)
         else:
-            raise DataError(f"{flag} {p}: no such file or folder")
+            raise DataError(f"{flag} {p}: {_not_a_file(p)}")
     return out
+
+
+def _not_a_file(p: Path) -> str:
+    """What ``p`` is when it is neither a regular file nor a folder: "no such file" is only
+    true when nothing is there (``/dev/null`` exists, as a character device)."""
+    import stat
+
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        if p.is_symlink():
+            return f"a link to {p.readlink()}, which does not exist"
+        return "no such file or folder"
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    kinds = {stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+             stat.S_ISFIFO: "a named pipe (FIFO)", stat.S_ISSOCK: "a socket"}  # fmt: skip
+    kind = next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+    return (f"{kind}, not a regular file or a folder: the data is read again each epoch and "
+            "resumed by its position in the file, which needs a file on disk; give .txt, "
+            ".jsonl or .parquet files, or folders of them")  # fmt: skip
 
 
 @dataclass(frozen=True)
