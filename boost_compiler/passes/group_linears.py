@@ -65,7 +65,7 @@ class GroupLinears(BoostPass):
             if not _group_downs(graph, x, downs, tp):
                 continue
             groups += 1
-            if len(ups) == len(downs):
+            if len(ups) == len(downs) and _independent(ups):
                 _group_ups(graph, ups, tp)
         if groups:
             finish(gm)
@@ -118,6 +118,32 @@ def _group_downs(graph: fx.Graph, x: fx.Node, downs: list[fx.Node], tp: object) 
     reduced.meta[C.WHY_META] = "grouped row-parallel"  # the plan reads the graph: say why
     split_uses(graph, reduced, sizes, reduces)
     _erase(graph, reduces + downs)
+    return True
+
+
+def _independent(ups: list[fx.Node]) -> bool:
+    """Whether the up factors are distinct and none reads another's output.
+
+    One concatenated input for all of them must exist before each runs: a narrow dense
+    MLP (``intermediate_size`` below the hidden) makes gate and up down factors whose one
+    up factor is ``down_proj`` (the same node twice), and a chain of factors would make
+    one up wait for another. Either would be a cycle.
+    """
+    if len(set(ups)) != len(ups):
+        return False
+    order = {n: i for i, n in enumerate(ups[0].graph.nodes)}
+    first = min(order[u] for u in ups)
+    targets = set(ups)
+    for up in ups:
+        todo, seen = list(up.all_input_nodes), set()
+        while todo:
+            node = todo.pop()
+            if node in targets:
+                return False
+            if node in seen or order[node] < first:
+                continue
+            seen.add(node)
+            todo.extend(node.all_input_nodes)
     return True
 
 
