@@ -44,7 +44,8 @@ def four() -> dict:
         ("pp2dp1tp2/compiled", FN, (2, 1, 2, 2), {"compile": True}),
     ]
     if HAS_HF:
-        checks.append(("hf/pp2dp1tp2", FN, (2, 1, 2, 2), {"model": "hf"}))
+        # Compiled: a transformers family through compiled stages at tp=2, in the CI tier.
+        checks.append(("hf/pp2dp1tp2", FN, (2, 1, 2, 2), {"model": "hf", "compile": True}))
     checks.append(("pp2dp1tp2/zero-bubble", FN, (2, 1, 2, 4), {"schedule": "zero-bubble"}))
     if FULL:
         checks.append(("pp2dp2tp1", FN, (2, 2, 1, 2), {"batch": 8}))
@@ -290,6 +291,7 @@ def test_pp2_tp2_hf_llama_is_exact_and_sends_shards(four: dict) -> None:
           max(r["loss"] for r in res["ranks"]), max(r["grad"] for r in res["ranks"]),
           max(r["param"] for r in res["ranks"]))  # fmt: skip
     _check_exact(res, 2, 1, 2, 2, model="hf")
+    assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
 
 
 @pytest.mark.parametrize(
