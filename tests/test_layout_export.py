@@ -19,7 +19,6 @@ exports back to the same tensors. One process, CPU, about a second per case.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,26 +100,29 @@ def _with_sparse(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-# name -> (layout, the source model). Ranks 8 / 16: attention and MLP differ wherever the
-# layout has a rank per half (LORO, Nanotron); CoLA and SLTrain have one rank.
-SOURCES: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
-    "cola": ("cola", lambda: _low_rank(_llama(), "cola", 16, 16)),
-    "cola-only_lr_act": ("cola", lambda: _low_rank(_llama(hidden_act="linear"), "cola", 16, 16)),
-    "cola-bias": ("cola", lambda: _low_rank(_llama(attention_bias=True, mlp_bias=True),
-                                            "cola", 16, 16)),  # fmt: skip
-    "cola-m": ("cola-m", lambda: _low_rank(_llama(), "cola", 16, 16)),
-    "cola-m-only_lr_act": ("cola-m", lambda: _low_rank(_llama(hidden_act="linear"), "cola",
-                                                       16, 16)),  # fmt: skip
-    "cola-m-bias": ("cola-m", lambda: _low_rank(_llama(attention_bias=True, mlp_bias=True),
-                                                "cola", 16, 16)),  # fmt: skip
-    "loro": ("loro", lambda: _low_rank(_llama(kv=2), "svd", 8, 16)),
-    "loro-attn": ("loro", lambda: _low_rank(_llama(kv=2), "svd", 8, 16, scope="attn")),
-    "loro-mlp": ("loro", lambda: _low_rank(_llama(kv=2), "svd", 8, 16, scope="mlp")),
-    "sltrain": ("sltrain", lambda: _with_sparse(_low_rank(_llama(kv=2), "svd", 16, 16))),
-    "boost-nanotron": ("boost-nanotron", lambda: _low_rank(_llama(kv=2), "cola", 8, 16)),
-    "boost-nanotron-only_lr_act": (
-        "boost-nanotron", lambda: _low_rank(_llama(kv=2, hidden_act="linear"), "cola", 8, 16)
-    ),
+def _source(method: str = "cola", attn: int = 16, mlp: int = 16, scope: str = "all",
+            sparse: bool = False, **config: Any) -> torch.nn.Module:  # fmt: skip
+    model = _low_rank(_llama(**config), method, attn, mlp, scope)
+    return _with_sparse(model) if sparse else model
+
+
+LINEAR = {"hidden_act": "linear"}  # CoLA's only_lr_act: no activation on the MLP's gate
+BIAS = {"attention_bias": True, "mlp_bias": True}
+# name -> (layout, _source's arguments). Ranks 8 / 16: attention and MLP differ wherever
+# the layout has a rank per half (LORO, Nanotron); CoLA and SLTrain have one rank.
+SOURCES: dict[str, tuple[str, dict[str, Any]]] = {
+    "cola": ("cola", {}),
+    "cola-only_lr_act": ("cola", LINEAR),
+    "cola-bias": ("cola", BIAS),
+    "cola-m": ("cola-m", {}),
+    "cola-m-only_lr_act": ("cola-m", LINEAR),
+    "cola-m-bias": ("cola-m", BIAS),
+    "loro": ("loro", {"method": "svd", "attn": 8, "kv": 2}),
+    "loro-attn": ("loro", {"method": "svd", "attn": 8, "scope": "attn", "kv": 2}),
+    "loro-mlp": ("loro", {"method": "svd", "attn": 8, "scope": "mlp", "kv": 2}),
+    "sltrain": ("sltrain", {"method": "svd", "sparse": True, "kv": 2}),
+    "boost-nanotron": ("boost-nanotron", {"attn": 8, "kv": 2}),
+    "boost-nanotron-only_lr_act": ("boost-nanotron", {"attn": 8, "kv": 2, **LINEAR}),
 }
 
 
@@ -128,8 +130,8 @@ SOURCES: dict[str, tuple[str, Callable[[], torch.nn.Module]]] = {
 def test_a_model_from_elsewhere_exports_to_its_logits(case: str, tmp_path: Path) -> None:
     """The exported folder, read by the layout's own forward and by boost, gives the
     source model's logits: the config the exporter built says what the model computes."""
-    layout, make = SOURCES[case]
-    source = _randomize(make(), seed=len(case))
+    layout, args = SOURCES[case]
+    source = _randomize(_source(**args), seed=len(case))
     want = _logits(source)
     out = layouts.save(source, tmp_path / case, layout)
     assert layouts.detect(out) == layout
@@ -185,6 +187,16 @@ def test_what_real_folders_hold_imports_and_exports_back(case: str, tmp_path: Pa
 def test_cola_cannot_hold_two_ranks(tmp_path: Path) -> None:
     """CoLA's config has one ``rank`` for every ColaLayer: attention and MLP at different
     ranks is refused by name, not written as a folder CoLA's code cannot load."""
-    source = _low_rank(_llama(), "cola", 8, 16)
+    source = _source(attn=8)
     with pytest.raises(LayoutError, match="one `rank`"):
         layouts.save(source, tmp_path / "c", "cola")
+
+
+@pytest.mark.parametrize("layout", ["loro", "sltrain"])
+def test_a_rope_the_layout_cannot_compute_is_refused(layout: str, tmp_path: Path) -> None:
+    """LORO's and SLTrain's Llama (peft_pretraining/modeling_llama.py) rotate with base
+    10000 whatever the config says: a model with rope_theta 500000 written there would be
+    another model (0.09 off in logits), so the export names the difference instead."""
+    source = _source("svd", sparse=layout == "sltrain", kv=2, rope_theta=500000.0)
+    with pytest.raises(LayoutError, match=r"rope_theta 500000.*base 10000"):
+        layouts.save(source, tmp_path / "r", layout)
