@@ -22,3 +22,28 @@ def need(module: str) -> ModuleType:
     if REQUIRED:
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+def need_dot() -> str:
+    """The Graphviz ``dot`` the explain report draws with: the system's, else the one the
+    ``draw`` extra installs (graphviz-pure, a wheel: ``boost_compiler.explain.draw``
+    looks for both). A skip without either, or with ``BOOST_REQUIRE_EXTRAS=1`` (where the
+    extra is installed) a failure: there a missing drawing path is a broken install."""
+    from boost_compiler.explain.draw import dot_program
+
+    program = dot_program()
+    if program is None:
+        why = ("neither graphviz's `dot` nor the draw extra's graphviz-pure is installed "
+               "(pip install -e '.[draw]')")  # fmt: skip
+        if REQUIRED:
+            pytest.fail(why)
+        pytest.skip(why)
+    return program
+
+
+def drawings_expected() -> bool:
+    """Whether a run must have written SVGs: with ``BOOST_REQUIRE_EXTRAS=1`` always (the
+    checks then fail where nothing was drawn), else when a ``dot`` is found."""
+    from boost_compiler.explain.draw import dot_available
+
+    return REQUIRED or dot_available()

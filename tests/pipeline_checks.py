@@ -13,7 +13,8 @@ What was sent point-to-point is recorded per step (shapes, bytes, peers).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -155,7 +156,8 @@ def pipelined_step(
         "gloo": events,
         "whole_gloo": whole,
         "noise": twin.grad_err if twin is not None else 0.0,
-        "ends": _ends(kind, start),
+        "ends": stage_ends(pipe.specs, pipe.modules),
+        "want_ends": model_ends(kind, start),
         "global_rank": dist.get_rank(),
         "compiled_graphs": _inductor_compiles() - compiles_before,
         "tp_rank": mesh3["tp"].get_local_rank(),
@@ -235,19 +237,36 @@ class _Twin:
         self.optim.zero_grad(set_to_none=True)
 
 
-def _ends(kind: str, model: Any) -> list[list[str]]:
-    """The names of the first stage's own parameters (the embedding) and the last's (the
-    final norm and the head), found as the stage split finds them."""
-    if kind == "cola":
-        return [["embed.weight"], ["lm_head.weight", "norm.weight"]]
-    from boost_compiler.train.pipeline_hf import hf_parts
+_IN_LAYER = re.compile(r"(^|\.)layers\.\d+\.")  # a decoder layer's parameter, either family
 
-    parts = hf_parts(model)
-    names = [n for n, _ in model.named_parameters()]
-    base = f"{parts.base}."
-    first = [n for n in names if n.startswith(f"{base}{parts.embed}.")]
-    last = [n for n in names if n.startswith((f"{base}{parts.norm}.", f"{parts.head}."))]
-    return [first, last]
+
+def model_ends(kind: str, model: Any) -> list[list[str]]:
+    """The whole model's parameters outside its decoder layers: [the input embedding's,
+    the others' (final norm, head)], what the first and the last stage must hold besides
+    their layers. Read off the model itself (its embedding module, the names outside
+    ``layers.<i>.``), not from ``hf_parts``, which the split uses to cut the stages."""
+    embed = model.embed if kind == "cola" else model.get_input_embeddings()
+    ids = {id(p) for p in embed.parameters()}
+    outside = [(n, p) for n, p in model.named_parameters() if not _IN_LAYER.search(n)]
+    return [sorted(n for n, p in outside if id(p) in ids),
+            sorted(n for n, p in outside if id(p) not in ids)]  # fmt: skip
+
+
+def stage_ends(specs: Sequence[Any], modules: Sequence[Any]) -> list[list[str]]:
+    """The stage modules' own parameters outside their decoder layers, under the whole
+    model's names: [the first stage's, the last stage's, any other stage's] (empty lists
+    for the stages this rank does not hold). What the split built, not what it meant to."""
+    held: list[list[str]] = [[], [], []]
+    for spec, module in zip(specs, modules, strict=True):
+        names = {n.removeprefix("stage.") for n, _ in module.named_parameters()}
+        outside = sorted(n for n in names if not _IN_LAYER.search(n))
+        if spec.first:
+            held[0] += outside
+        if spec.last:
+            held[1] += outside
+        if not spec.first and not spec.last:
+            held[2] += outside
+    return held
 
 
 def _whole_model_gloo(kind: str, start: Any, mesh3: Any, mb: int, seq: int) -> list[list[Any]]:

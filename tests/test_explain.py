@@ -20,16 +20,16 @@ from rich.console import Console
 
 import boost_compiler
 from boost_compiler.explain import Report, explain
-from boost_compiler.explain.draw import dot_available, payload_text
+from boost_compiler.explain.draw import payload_text
 from boost_compiler.ir.dump import GraphDumper
 from boost_compiler.options import BoostOptions
 from boost_compiler.passes import PIPELINE
 from boost_compiler.tp.collectives import fake_process_group
 from examples.factories import cola_llama, cola_llama_tiny
+from tests.extras import drawings_expected, need_dot
 
 ROOT = Path(__file__).resolve().parents[1]
 SVG = "{http://www.w3.org/2000/svg}"
-NO_DOT = "graphviz's `dot` is not installed (Debian package graphviz): only the .dot text is tested"
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +125,9 @@ def test_dot_files_have_one_hexagon_per_collective_of_the_layer(explained: Repor
     assert len([b for b in boxes if 'label="layers.' in b]) == 2
 
 
-@pytest.mark.skipif(not dot_available(), reason=NO_DOT)
 def test_svgs_parse_and_show_each_collective_with_its_payload(explained: Report) -> None:
+    need_dot()  # the system's dot, or the draw extra's graphviz-pure
+    assert explained.dot
     for stage in explained.stages:
         for kind in ("layer", "model"):
             ET.parse(stage.files[f"{kind}.svg"])  # well-formed XML
@@ -191,7 +192,8 @@ def test_html_holds_the_tables_with_the_right_counts(explained: Report) -> None:
     assert parser.rows["cost"] >= 2
     assert parser.external == []  # self-contained: nothing fetched from the network
     assert "<script>" in page and "<style>" in page
-    if explained.dot:
+    if drawings_expected():
+        assert explained.dot
         assert parser.svgs >= len(explained.stages)
     else:
         assert "graphviz" in page
@@ -291,7 +293,7 @@ def test_graph_dumper_writes_code_drawings_and_trace_artifacts(tmp_path: Path) -
     names = sorted(p.name for p in folder.iterdir())
     assert "00_input.py" in names and "00_input.layers.dot" in names and "00_input.dot" in names
     assert any(n.endswith("_btp.py") for n in names)
-    if dot_available():
+    if drawings_expected():
         assert "00_input.svg" in names
     meta = [getattr(r, "metadata", {}) for r in records]
     artifacts = [m["artifact"]["name"] for m in meta if "artifact" in m]
@@ -363,7 +365,7 @@ def test_drawings_without_a_system_graphviz(
 
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert shutil.which("dot") is None
-    assert draw.dot_program() is not None, "install the draw extra: pip install -e '.[draw]'"
+    assert need_dot() == draw.dot_program()  # only the extra's, beside this interpreter
     model, inputs, kwargs = cola_llama("tiny", device="meta")
     report = explain(model, inputs, tp=2, out_dir=tmp_path / "out", example_kwargs=kwargs)
     assert report.dot

@@ -121,6 +121,24 @@ ENDS = {
 }
 
 
+def _check_ends(rks: list[dict], model: str) -> None:
+    """The stage modules each rank built hold, besides their decoder layers, exactly the
+    whole model's embedding (the first stage) and its final norm and head (the last): no
+    stage in between holds any. ``want_ends`` is read off the whole model, and for the
+    models :data:`ENDS` names, must be those names."""
+    embed, tail = (set(names) for names in rks[0]["want_ends"])
+    assert embed and tail, rks[0]["want_ends"]
+    if model in ENDS:
+        assert (embed, tail) == ENDS[model], rks[0]["want_ends"]
+    for r in rks:
+        first, last, middle = (set(names) for names in r["ends"])
+        if any(f for _, f, _ in r["stages"]):
+            assert first == embed, (r["global_rank"], r["ends"])
+        if any(la for _, _, la in r["stages"]):
+            assert last == tail, (r["global_rank"], r["ends"])
+        assert not middle, (r["global_rank"], r["ends"])
+
+
 def _check_exact(
     res: dict,
     pp: int,
@@ -134,6 +152,7 @@ def _check_exact(
 ) -> None:
     rks = res["ranks"]
     assert len(rks) == pp * dp * tp
+    _check_ends(rks, model)
     held = {s for r in rks for s, _, _ in r["stages"]}
     v = len(held) // pp  # stages per rank, placed round-robin
     assert held == set(range(pp * v))
@@ -144,15 +163,14 @@ def _check_exact(
         assert r["grad_params"] == r["params"], r  # every parameter's gradient was compared
         assert r["param"] <= rtol, (r["worst_param"], r)
         assert r["moved"] > 1e-4, r  # the steps changed the parameters
-    first = [r for r in rks if r["stage"] == 0]
-    last = [r for r in rks if r["stage"] == pp - 1]
-    for r in rks:  # the ends the split found are the family's embedding, norm and head
-        embed, tail = (set(names) for names in r["ends"])
-        assert embed and tail and (not ENDS.get(model) or (embed, tail) == ENDS[model]), r["ends"]
-        if r in first:
-            assert embed <= set(r["params"]) and not tail & set(r["params"]), r["params"]
-        if r in last:
+    embed, tail = (set(names) for names in rks[0]["want_ends"])
+    for r in rks:  # what the stage modules held, their parameters after the steps
+        if any(first for _, first, _ in r["stages"]):
+            assert embed <= set(r["params"]), r["params"]
+        if any(last for _, _, last in r["stages"]):
             assert tail <= set(r["params"]), r["params"]
+        else:
+            assert not tail & set(r["params"]), r["params"]
     # What crosses the boundary: this tp rank's hidden shard, to the same tp rank.
     shard = [batch // dp // m, 16, D_MODEL // tp]
     for r in rks:
@@ -454,6 +472,28 @@ def test_split_layers() -> None:
         split_layers(3, 2, [1, 1])
     with pytest.raises(PipelineError, match="middle stage"):
         split_layers(2, 3, [1, 0, 1])
+
+
+@pytest.mark.parametrize("kind", ["cola", "hf", "zoo:qwen3"])
+def test_stage_modules_hold_the_models_ends(kind: str) -> None:
+    """In one process: the modules the split builds for 3 stages (``CoLAStage``,
+    ``hf_stage``) hold, besides their layers, the whole model's embedding (the first),
+    its final norm and head (the last) and nothing else (the middle): what
+    ``_check_ends`` checks on every rank of the pipelined runs, read off the models."""
+    from boost_compiler.train.pipeline import CoLAStage
+    from tests.pipeline_checks import _models, model_ends, stage_ends
+
+    if kind != "cola":
+        need("transformers")
+    from boost_compiler.train.pipeline_hf import hf_stage
+
+    model = _models(kind, 3)[0]
+    specs = split_layers(3, 3)
+    stages = [CoLAStage(model, s) if kind == "cola" else hf_stage(model, s) for s in specs]
+    want = model_ends(kind, model)
+    assert stage_ends(specs, stages) == [*want, []]
+    if kind in ENDS:
+        assert tuple(set(names) for names in want) == ENDS[kind]
 
 
 def _chain(family: str, checked: bool = True) -> tuple[Any, Any, list[Any], Any]:

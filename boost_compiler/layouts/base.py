@@ -47,6 +47,7 @@ __all__ = [
     "pairs_of",
     "pop_rotary",
     "require",
+    "require_rope",
     "rotary_tensors",
     "scan",
     "source_files",
@@ -289,6 +290,18 @@ def require(
         raise LayoutError(f"{layout}: '{name}' {'lacks' if sparse else 'has'} a sparse part; "
                           f"the layout {want}")  # fmt: skip
     return spec
+
+
+def require_rope(conv: Converted, layout: str, theta: float) -> None:
+    """A layout whose Llama code fixes RoPE (base ``theta``, no scaling, whatever its config
+    says) cannot hold a model with other frequencies: writing ``theta`` into the config
+    would describe another model, so it is a :class:`LayoutError` naming both."""
+    fields = llama_fields(conv.config)
+    got, scaling = fields.get("rope_theta", 10000.0), fields.get("rope_scaling")
+    if float(got) != theta or scaling:
+        raise LayoutError(f"{layout}: the model's RoPE is rope_theta {got}"
+                          f"{f', rope_scaling {scaling}' if scaling else ''}; the layout's Llama "
+                          f"computes base {theta} with no scaling whatever its config says")  # fmt: skip
 
 
 def common_rank(pairs: Mapping[str, Mapping[str, Any]], names: Iterable[str], layout: str,

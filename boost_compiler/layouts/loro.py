@@ -38,6 +38,7 @@ from .base import (
     low_rank_config,
     pair_spec,
     pop_rotary,
+    require_rope,
     rotary_tensors,
     weights_dtype,
 )
@@ -96,6 +97,7 @@ def read(source: Source) -> Converted:
 
 
 def write(conv: Converted) -> Output:
+    require_rope(conv, LORO, ROPE_THETA)
     tensors = export_pairs(conv, LORO, _from_pair, activation=None, sparse=False)
     made = {**llama_fields(conv.config), "rope_theta": ROPE_THETA, "model_type": "llama",
             "architectures": ["LlamaForCausalLM"]}  # fmt: skip

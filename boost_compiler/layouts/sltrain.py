@@ -54,6 +54,7 @@ from .base import (
     pairs_of,
     pop_rotary,
     require,
+    require_rope,
     rotary_tensors,
     weights_dtype,
 )
@@ -149,6 +150,7 @@ def _from_pair(splora: dict[str, Any], scalings: dict[str, float]) -> Any:
 
 
 def write(conv: Converted) -> Output:
+    require_rope(conv, SLTRAIN, ROPE_THETA)
     names = layer_projections(conv.config["num_hidden_layers"])
     pairs = pairs_of(conv, SLTRAIN)
     for name in names:  # before reading their sparse parts
