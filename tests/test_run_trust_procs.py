@@ -145,3 +145,16 @@ def test_a_rank_that_raises_stops_every_rank_naming_its_error(
     cause = text[text.index("Root Cause") :]
     assert "rank      : 1" in cause, cause
     assert "RuntimeError: injected fault on rank 1 at step 2" in cause, cause
+
+
+def test_ranks_seeded_differently_train_rank_0s_model_under_torchrun(tmp_path: Path) -> None:
+    """The README's example run as written (no ``torch.manual_seed``): each rank built its
+    own weights, and the parallelized model trains rank 0's (``tests/seed_probe.py``)."""
+    probe = str(Path(__file__).with_name("seed_probe.py"))
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", probe]
+    done = subprocess.run(cmd, env=ENV, capture_output=True, timeout=HANG_GUARD_S * 3)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    line = next(ln for ln in done.stdout.decode().splitlines() if ln.startswith("{"))
+    res = json.loads(line)
+    for tp, alone in zip(res["tp"], res["rank0_alone"], strict=True):
+        assert abs(tp - alone) <= 1e-5 * abs(alone), res
