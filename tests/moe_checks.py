@@ -23,6 +23,7 @@ import torch
 from torch.utils import flop_counter
 
 from tests.mutation_checks import _gather, _rel
+from tests.tp_harness import _norm_rel
 from tests.zoo_checks import VOCAB, build
 
 # The experts' grouped GEMM kernels; the matmuls under them are expert FLOPs.
@@ -206,16 +207,6 @@ def experts_probe(routed: bool, *, world: int, mesh: Any) -> dict[str, Any]:
 
 # bf16's unit roundoff: one rounding moves a value by up to 2^-8 of itself.
 BF16_U = 2.0**-8
-
-
-def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``|a - b| / |b|`` (Frobenius, in float64): an error relative to the whole tensor.
-
-    A gradient that is exactly zero in fp32 (an embedding row no token reads) must be
-    zero in bf16 too: its error is then 0, or infinite."""
-    a, b = a.detach().double(), b.detach().double()
-    diff, norm = (a - b).norm().item(), b.norm().item()
-    return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
 
 
 def _routing(out: Any, k: int) -> list[list[list[int]]]:
