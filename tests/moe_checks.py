@@ -7,8 +7,9 @@ against an untouched single-device copy: the FLOPs of the GEMMs that ran (each
 grouped GEMMs apart (``transformers``' ``grouped_mm_fallback`` and its backward in the
 boost graph, ``torch._grouped_mm`` in the eager reference: both run one ``mm`` per
 expert); the loss, every gathered gradient and every gathered parameter after one SGD
-step; the experts' planned placements; the collectives gloo ran in the step (forward
-and backward). ``FlopCounterMode`` itself cannot watch a parallelized model: under a
+step; the experts' planned placements; the functional collectives the rank executed in
+the step, forward and backward apart (op and payload shape: what ran, not the plan's
+record of it). ``FlopCounterMode`` itself cannot watch a parallelized model: under a
 ``TorchDispatchMode`` dynamo runs the forward frame uncompiled, and the placeholders
 refuse that (``UncompiledFrameError``).
 """
@@ -22,6 +23,7 @@ import torch
 from torch.utils import flop_counter
 
 from tests.mutation_checks import _gather, _rel
+from tests.tp_harness import _norm_rel
 from tests.zoo_checks import VOCAB, build
 
 # The experts' grouped GEMM kernels; the matmuls under them are expert FLOPs.
@@ -42,22 +44,38 @@ def _in_experts(event: Any) -> bool:
     return False
 
 
-def _step(run: Any, ids: torch.Tensor) -> tuple[torch.Tensor, int, int, list]:
-    """One forward + backward: loss, expert GEMM FLOPs, all GEMM FLOPs, gloo collectives."""
+def _collectives(events: Any) -> list[list[Any]]:
+    """The functional collectives among profiled ``events``, in order: [op, input shape].
+
+    What the rank executed (op and payload as the op received it: a reduce-scatter's
+    input with the scattered dimension first, an all-gather's local shard), where gloo's
+    own events cannot tell a reduce-scatter from an all-reduce, which gloo runs it as.
+    """
+    ran = sorted((e for e in events if e.name.startswith("_c10d_functional::")
+                  and "wait_tensor" not in e.name), key=lambda e: e.time_range.start)  # fmt: skip
+    return [[e.name.split("::")[1], list(e.input_shapes[0])] for e in ran]
+
+
+def _step(run: Any, ids: torch.Tensor) -> tuple[torch.Tensor, int, int, dict[str, list]]:
+    """One forward + backward: loss, expert GEMM FLOPs, all GEMM FLOPs, and the functional
+    collectives each direction executed (:func:`_collectives`)."""
     from torch.profiler import ProfilerActivity, profile
 
+    phases = {}
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out = run(ids, labels=ids.roll(1, dims=1), use_cache=False)
+    phases["forward"] = prof.events()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out.loss.backward()
+    phases["backward"] = prof.events()
     experts = total = 0
-    ran = []
-    for e in prof.events():
-        if e.name.startswith("gloo:"):
-            ran.append((e.name, list(e.input_shapes[0]) if e.input_shapes else []))
-        if e.name in _FORMULAS:
-            flops = _FORMULAS[e.name](*e.input_shapes[: 3 if e.name == "aten::addmm" else 2])
-            total += flops
-            experts += flops if _in_experts(e) else 0
+    for events in phases.values():
+        for e in events:
+            if e.name in _FORMULAS:
+                flops = _FORMULAS[e.name](*e.input_shapes[: 3 if e.name == "aten::addmm" else 2])
+                total += flops
+                experts += flops if _in_experts(e) else 0
+    ran = {phase: _collectives(events) for phase, events in phases.items()}
     return out.loss.detach(), experts, total, ran
 
 
@@ -84,7 +102,8 @@ def experts_step(family: str, *, world: int, mesh: Any, lr: float = 1e-3) -> dic
         _rel(_gather(p.detach(), plan.params[n], world), q.detach())
         for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True)
     )
-    layers = sum(".experts." in n for n in plan.params) // 2  # gate_up_proj, down_proj
+    # read off the model, not the plan: gate_up_proj and down_proj per MoE layer
+    layers = sum(".experts." in n for n, _ in model.named_parameters()) // 2
     return {
         "loss": _rel(loss, loss_ref),
         "grad": grad,
@@ -96,19 +115,17 @@ def experts_step(family: str, *, world: int, mesh: Any, lr: float = 1e-3) -> dic
         "expert_ratio": experts / experts_ref,
         "gemm_ratio": total / total_ref,
         "moe_layers": layers,
-        "step_collectives": ran,
-        "planned": _planned(plan),
+        "ran": ran,
     }
 
 
-def _planned(plan: Any) -> list[list[Any]]:
-    """The plan's collectives, one entry per direction: [kind, shape, direction, reason]."""
-    return [
-        [c.kind, list(c.global_shape), direction, c.reason]
-        for c in plan.collectives
-        for direction, runs in (("forward", c.forward), ("backward", c.backward))
-        if runs
-    ]
+def ran_in(fn: Any) -> tuple[Any, list[list[Any]]]:
+    """``fn()`` and the functional collectives it executed (:func:`_collectives`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = fn()
+    return out, _collectives(prof.events())
 
 
 class ExpertsProbe(torch.nn.Module):
@@ -171,8 +188,9 @@ def experts_probe(routed: bool, *, world: int, mesh: Any) -> dict[str, Any]:
     boost_compiler.parallelize(model, mesh, (ids,))
     plan = model.boost_plan
     fixed = torch.randn(2, 8, ExpertsProbe.D, generator=torch.Generator().manual_seed(3))
-    out, out_ref = model(ids), ref(ids)
-    (out * fixed).sum().backward()
+    out, forward = ran_in(lambda: model(ids))
+    _, backward = ran_in((out * fixed).sum().backward)
+    out_ref = ref(ids)
     (out_ref * fixed).sum().backward()
     grad = max(
         _rel(_gather(p.grad, plan.params[n], world), q.grad)
@@ -183,7 +201,7 @@ def experts_probe(routed: bool, *, world: int, mesh: Any) -> dict[str, Any]:
         "grad": grad,
         "fallbacks": list(plan.fallbacks),
         "params": {n: str(pl) for n, pl in plan.params.items()},
-        "planned": _planned(plan),
+        "ran": {"forward": forward, "backward": backward},
     }
 
 
@@ -208,7 +226,8 @@ def experts_bf16_step(*, world: int, mesh: Any, family: str = "qwen3_moe") -> di
 
     Returned, per compared quantity (logits, loss, every gathered gradient, the loss after
     one SGD step): its error against fp32 at tp=``world`` (``tp``) and on one device in
-    bf16 (``one``), and each
+    bf16 (``one``), each relative to the fp32 tensor's own norm (:func:`_norm_rel`: a
+    tensor's largest element would let a wrong small part hide), and each
     MoE layer's routing in all three runs. The batch is the one of 8 whose smallest
     top-k router margin (fp32) is largest: bf16 moves the router's input by about 1e-2
     of itself, and a near-tie routed differently moves an expert's gradient by O(1).
@@ -233,12 +252,12 @@ def experts_bf16_step(*, world: int, mesh: Any, family: str = "qwen3_moe") -> di
     ref = outs["fp32"]
     errs: dict[str, dict[str, float]] = {"tp": {}, "one": {}}
     for run in ("tp", "one"):
-        errs[run]["logits"] = _rel(outs[run].logits.float(), ref.logits)
-        errs[run]["loss"] = _rel(outs[run].loss.float(), ref.loss)
+        errs[run]["logits"] = _norm_rel(outs[run].logits, ref.logits)
+        errs[run]["loss"] = _norm_rel(outs[run].loss, ref.loss)
     for (n, p), q, q32 in zip(model.named_parameters(), one.parameters(), model32.parameters(),
                               strict=True):  # fmt: skip
-        errs["tp"][n] = _rel(_gather(p.grad, plan.params[n], world).float(), q32.grad)
-        errs["one"][n] = _rel(q.grad.float(), q32.grad)
+        errs["tp"][n] = _norm_rel(_gather(p.grad, plan.params[n], world), q32.grad)
+        errs["one"][n] = _norm_rel(q.grad, q32.grad)
     routing = {name: _routing(out, k) for name, out in outs.items()}
     # One SGD step each, then the loss again: the parallel model trains on its shards.
     for m in (model, one, model32):
@@ -246,7 +265,7 @@ def experts_bf16_step(*, world: int, mesh: Any, family: str = "qwen3_moe") -> di
     after = {name: m(ids, **kw).loss.float() for name, m in
              (("tp", model), ("one", one), ("fp32", model32))}  # fmt: skip
     for run in ("tp", "one"):
-        errs[run]["loss_after_step"] = _rel(after[run], after["fp32"])
+        errs[run]["loss_after_step"] = _norm_rel(after[run], after["fp32"])
     return {
         **errs,
         "margin": _margin(ref, k),

@@ -3,7 +3,8 @@
 One training step of a zoo MoE family whose experts are factored per expert
 (:mod:`boost_compiler.convert_experts`) against an untouched single-device copy: the
 loss, every gathered gradient, every gathered parameter after an SGD step, on every
-rank; the plan's fallbacks, the experts' placements and collectives.
+rank; the plan's fallbacks, the experts' placements, and the functional collectives the rank
+executed (forward and backward).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tests.moe_checks import _planned
+from tests.moe_checks import ran_in
 from tests.mutation_checks import _gather, _rel
 from tests.zoo_checks import VOCAB, build
 
@@ -43,8 +44,9 @@ def factored_step(
     kw = {"labels": ids.roll(1, dims=1), "use_cache": False}
     boost_compiler.parallelize(model, mesh, (ids,), kw)
     plan = model.boost_plan
-    loss, loss_ref = model(ids, **kw).loss, ref(ids, **kw).loss
-    loss.backward()
+    out, forward = ran_in(lambda: model(ids, **kw))
+    loss, loss_ref = out.loss, ref(ids, **kw).loss
+    _, backward = ran_in(loss.backward)
     loss_ref.backward()
     pairs = list(zip(model.named_parameters(), ref.parameters(), strict=True))
     grad = {n: _rel(_gather(p.grad, plan.params[n], world), q.grad) for (n, p), q in pairs}
@@ -58,5 +60,5 @@ def factored_step(
         "param": param,
         "fallbacks": list(plan.fallbacks),
         "experts": {n: str(pl) for n, pl in plan.params.items() if ".experts." in n},
-        "planned": _planned(plan),
+        "ran": {"forward": forward, "backward": backward},
     }

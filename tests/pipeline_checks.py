@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from boost_compiler.models import cola_llama as cola
 from boost_compiler.train.pipeline import P2PMeter, build_pipeline, init_pipeline_mesh
-from tests.tp_harness import _rel
+from tests.tp_harness import _norm_rel, _rel
 
 
 def _optimizer(kind: str, params: Any, lr: float = 0.1) -> torch.optim.Optimizer:
@@ -84,7 +84,9 @@ def pipelined_step(
     rows with attention masks and position ids, a transformers ``model`` only; ``lr``:
     SGD's, 1e-3 for the zoo's families as ``tests/zoo_checks.py`` explains; ``noise``: also
     train a single-device twin whose parameters are perturbed by 1e-7 relative, and report
-    how far float32 rounding alone takes its gradients from the reference's).
+    how far float32 rounding alone takes its gradients from the reference's; and, tensor
+    by tensor, relative to each tensor's norm: the twin's drift and this run's error, for
+    every gradient (worst step) and every parameter after the last step).
 
     ``batch`` is the global batch (split over dp, then into ``m`` micro-batches);
     ``model``: ``cola`` (the packaged CoLA-LLaMA) or ``hf`` (see :func:`_models`), 2
@@ -108,6 +110,7 @@ def pipelined_step(
     ref_params = dict(ref.named_parameters())
     events: list[list[Any]] = []  # the last step's gloo collectives: name, input shapes
     twin = _Twin(start, opt, lr) if noise else None
+    grad_errs: dict[str, float] = {}  # per gradient, norm-relative, worst step (with noise)
     for step in range(steps):
         ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(step))
         masks = _padded(ids, step) if padded else {}
@@ -128,6 +131,9 @@ def pipelined_step(
             err = _rel(g, ref_params[name].grad)
             if err > grad_err:
                 grad_err, worst_grad = err, name
+            if twin is not None:
+                norm_err = _norm_rel(g, ref_params[name].grad)
+                grad_errs[name] = max(grad_errs.get(name, 0.0), norm_err)
         ref_optim.step()
         ref_optim.zero_grad(set_to_none=True)
         loss_err = max(loss_err, _rel(value / dp, want.detach().reshape(1)))
@@ -137,6 +143,15 @@ def pipelined_step(
     param_errs = {name: _rel(t, ref_params[name]) for name, t in full.items()}
     start_sd = start.state_dict()
     moved = max(_rel(t, start_sd[n]) for n, t in full.items())
+    per_tensor = {}
+    if twin is not None:
+        twin_params = dict(twin.model.named_parameters())
+        per_tensor = {
+            "grad_errs": grad_errs,
+            "grad_noise": {n: twin.grad_errs[n] for n in grad_errs},
+            "param_errs": {n: _norm_rel(t, ref_params[n]) for n, t in full.items()},
+            "param_noise": {n: _norm_rel(twin_params[n], ref_params[n]) for n in full},
+        }
     return {
         "stage": pipe.spec.index,
         "stages": [[sp.index, sp.first, sp.last] for sp in pipe.specs],
@@ -156,6 +171,7 @@ def pipelined_step(
         "gloo": events,
         "whole_gloo": whole,
         "noise": twin.grad_err if twin is not None else 0.0,
+        **per_tensor,
         "ends": stage_ends(pipe.specs, pipe.modules),
         "want_ends": model_ends(kind, start),
         "global_rank": dist.get_rank(),
@@ -227,12 +243,15 @@ class _Twin:
                 prm.mul_(1 + 1e-7 * torch.randn(prm.shape, generator=gen))
         self.optim = _optimizer(opt, self.model.parameters(), lr)
         self.grad_err = 0.0
+        self.grad_errs: dict[str, float] = {}  # per gradient, norm-relative, worst step
 
     def step(self, kind: str, ids: Any, masks: Any, ref_grads: dict[str, Any]) -> None:
         _loss_of(kind, self.model, ids, masks).backward()
         mine = dict(self.model.named_parameters())
         for name, g in ref_grads.items():
             self.grad_err = max(self.grad_err, _rel(mine[name].grad, g))
+            drift = _norm_rel(mine[name].grad, g)
+            self.grad_errs[name] = max(self.grad_errs.get(name, 0.0), drift)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
 

@@ -14,14 +14,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.fx as fx
+from rich.console import Console
 from torch import nn
 
 import boost_compiler
+from boost_compiler.backend import boost_backend
 from boost_compiler.ir.subgraphs import calls
 from boost_compiler.models.cola_llama import build, example_inputs
 from boost_compiler.tp.blocks import mark, repeated_blocks
 from boost_compiler.tp.groups import fake_process_group
+from boost_compiler.tp.plan import TPPlan
 
 
 def _parallelized(layers: int, blocks: bool) -> nn.Module:
@@ -73,6 +77,8 @@ def test_blocks_inside_a_checkpoint_keep_the_whole_model_route(caplog: Any) -> N
         shadow = boost_compiler.parallel_state(model).shadow
     assert "run inside another region" in caplog.text
     assert type(shadow.inner.layers[0]) is _Widening  # not a region
+    route = model.boost_plan.route
+    assert route.startswith("whole model: ") and "run inside another region" in route, route
 
 
 def test_a_copy_owns_its_bodies_and_dropping_keeps_nested_ones() -> None:
@@ -105,11 +111,25 @@ def test_a_copy_owns_its_bodies_and_dropping_keeps_nested_ones() -> None:
     assert hasattr(top.outer, "inner")  # the original's body is untouched
 
 
+def _regions(shadow: nn.Module) -> list[str]:
+    """The shadow's modules marked as nested compile regions (by their class)."""
+    return [n for n, m in shadow.named_modules() if getattr(type(m), "__boost_region__", False)]
+
+
 def test_per_block_plan_equals_whole_model_plan() -> None:
-    """Placements, bottlenecks and collectives (with their shapes) as one graph gives them."""
+    """Placements, bottlenecks and collectives (with their shapes) as one graph gives them.
+
+    parallelize re-captures without regions whenever the placements differ, so the
+    comparison alone would hold on the whole-model route too: the per-block route must
+    have been kept (the shadow's layers are regions, and the plan says so)."""
     with fake_process_group(2):
-        per_block = _parallelized(3, True).boost_plan
-        whole = _parallelized(3, False).boost_plan
+        models = [_parallelized(3, True), _parallelized(3, False)]
+        shadows = [boost_compiler.parallel_state(m).shadow for m in models]
+        per_block, whole = (m.boost_plan for m in models)
+    assert _regions(shadows[0]) == ["layers.0", "layers.1", "layers.2"]
+    assert _regions(shadows[1]) == []
+    assert per_block.route == "per-block (3 blocks)", per_block.route
+    assert whole.route == "whole model: compile_blocks=False", whole.route
     assert per_block.params == whole.params
     assert len(per_block.bottlenecks) == len(whole.bottlenecks) == 21  # 7 per layer
 
@@ -270,3 +290,64 @@ def test_a_bottleneck_across_blocks_keeps_the_whole_model_route() -> None:
     assert str(plans[0].params["layers.1.mlp.gate_proj.weight"]) == "S(0)"
     assert plans[0].decisions == plans[1].decisions
     assert type(shadows[0].layers[0]) is type(shadows[1].layers[0])  # not a region
+    route = plans[0].route  # the fallback, and why, in the plan (not only in a log line)
+    assert route.startswith("whole model: planned whole it places"), route
+    assert "per block" in route and ".mlp." in route, route
+
+
+# HF decoders as users load them (tiny configs, CoLA-converted): family -> how the model is
+# built and the names of its decoder layers.
+HF_BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "qwen3": "model.layers"}
+
+
+def _hf_model(family: str) -> tuple[nn.Module, torch.Tensor]:
+    from tests import zoo_checks
+    from tests.models import make_hf
+
+    if family == "qwen3":
+        ids = torch.randint(0, zoo_checks.VOCAB, (2, 16),
+                            generator=torch.Generator().manual_seed(1))  # fmt: skip
+        return zoo_checks.build(family), ids
+    model, (ids,) = make_hf(0, family)
+    return model, ids
+
+
+@pytest.mark.parametrize("family", HF_BLOCKS)
+def test_transformers_models_compile_block_by_block(family: str, monkeypatch: Any) -> None:
+    """GPT-2, Llama and Qwen3 as transformers builds them keep the per-block route: the
+    shadow's decoder layers are regions, and the graphs the boost backend receives at the
+    first call call one region per layer (any capture error with regions would fall back
+    to the whole model, which only the plan's ``route`` and these calls show)."""
+    from tests.extras import need
+
+    need("transformers")
+    from boost_compiler.tp import parallel
+
+    received: list[int] = []  # region calls in each graph the backend was given
+
+    def recording(gm: fx.GraphModule, inputs: Any, **kw: Any) -> Any:
+        received.append(len(calls(gm.graph)))  # counted before the backend rewrites it
+        return boost_backend(gm, inputs, **kw)
+
+    monkeypatch.setattr(parallel, "boost_backend", recording)
+    model, ids = _hf_model(family)
+    layers = model.config.num_hidden_layers
+    kw = {"labels": ids, "use_cache": False}
+    torch._dynamo.reset()
+    with fake_process_group(2):
+        boost_compiler.parallelize(model, dist.group.WORLD, (ids,), kw)
+        shadow = boost_compiler.parallel_state(model).shadow
+        model(ids, **kw)
+    torch._dynamo.reset()
+    assert _regions(shadow) == [f"{HF_BLOCKS[family]}.{i}" for i in range(layers)]
+    # one call per layer, all in one graph (GPT-2's forward gives a second graph, past a
+    # graph break, with none)
+    assert max(received) == sum(received) == layers, received
+    plan = model.boost_plan
+    assert plan.route == f"per-block ({layers} blocks)", plan.route
+    assert plan.fallbacks == [], plan.fallbacks
+    # the route is saved with the plan, and shown where the plan is printed
+    assert TPPlan.from_json(plan.to_json()).route == plan.route
+    console = Console(width=200, record=True)
+    console.print(plan)
+    assert f"compiled: per-block ({layers} blocks)" in console.export_text()

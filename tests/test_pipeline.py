@@ -149,7 +149,11 @@ def _check_exact(
     model: str = "cola",
     steps: int = 2,
     rtol: float = RTOL,
+    noise: float | None = None,
 ) -> None:
+    """``noise``: gradients and parameters are bounded tensor by tensor (norm-relative)
+    by ``max(RTOL, noise x`` the single-device twin's drift on that tensor``)`` instead of
+    ``rtol`` on their largest element (``pipelined_step(..., noise=True)``)."""
     rks = res["ranks"]
     assert len(rks) == pp * dp * tp
     _check_ends(rks, model)
@@ -159,9 +163,17 @@ def _check_exact(
     assert all([s for s, _, _ in r["stages"]] == list(range(r["stage"], pp * v, pp)) for r in rks)
     for r in rks:
         assert r["loss"] <= RTOL, r
-        assert r["grad"] <= rtol, (r["worst_grad"], r)
         assert r["grad_params"] == r["params"], r  # every parameter's gradient was compared
-        assert r["param"] <= rtol, (r["worst_param"], r)
+        if noise is None:
+            assert r["grad"] <= rtol, (r["worst_grad"], r)
+            assert r["param"] <= rtol, (r["worst_param"], r)
+            continue
+        for what in ("grad", "param"):
+            errs, drift = r[f"{what}_errs"], r[f"{what}_noise"]
+            assert sorted(errs) == r["params"], (what, sorted(errs))
+            for name, err in errs.items():
+                bound = max(RTOL, noise * drift[name])
+                assert err <= bound, (what, name, err, bound, r["stage"])
         assert r["moved"] > 1e-4, r  # the steps changed the parameters
     embed, tail = (set(names) for names in rks[0]["want_ends"])
     for r in rks:  # what the stage modules held, their parameters after the steps
@@ -387,22 +399,30 @@ def test_pp2_padded_qwen3_is_exact(two: dict) -> None:
     _check_exact(res, 2, 1, 1, 2, model="zoo")
 
 
+# Per tensor, norm-relative, over 3 steps: compiled pp=2 x tp=2 against one device, and a
+# single-device twin perturbed by 1e-7 against the same device. Measured: every gradient
+# and parameter within 9.2e-6 of its norm, at most 2.4x its twin's drift (Qwen3's last
+# k_proj down factor: 6.9e-6 against 2.9e-6); the gradients' drifts are 7.5e-7 to 1.3e-5.
+PP_NOISE = 4.0
+
+
 @pytest.mark.skipif(not FULL, reason="compiles 4 ranks (minutes on 2 cores)")
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_pp2_tp2_compiled_hf_families_are_exact(family: str) -> None:
     """pp=2 x tp=2, compiled stages, padded batches, 3 steps: Qwen3 and Gemma 3. Inductor
     reorders float32 sums more than eager BTP does, and these tiny models amplify rounding
-    step by step: measured, worst gradient 1.2e-5 (Qwen3) and 1.7e-5 (Gemma 3), where a
-    single-device twin perturbed by 1e-7 drifts 3.9e-6 and 9.6e-6 (losses 1e-7, parameters
-    8e-6). So gradients and parameters are held to 1e-5 or 4x the twin's drift, whichever
-    is larger; a wrong plan is off by 1e-3 and more."""
+    step by step: measured on the largest element, worst gradient 1.2e-5 (Qwen3) and 1.7e-5
+    (Gemma 3), where a single-device twin perturbed by 1e-7 drifts 3.9e-6 and 9.6e-6. So
+    each gradient and parameter is held, relative to its own norm, to 1e-5 or
+    PP_NOISE x the twin's drift on that same tensor, whichever is larger (not one drift,
+    the noisiest tensor's, for all); a wrong plan is off by 1e-3 and more."""
     need("transformers")
     kw = {"model": f"zoo:{family}", "padded": True, "compile": True, "steps": 3, "lr": 1e-3,
           "noise": True}  # fmt: skip
     res = result_of(run_world(4, [(family, FN, (2, 1, 2, 2), kw)]), family)
     noise = max(r["noise"] for r in res["ranks"])
     assert 0 < noise < 3e-5, noise  # the twin measured something, and little
-    _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3, rtol=max(RTOL, 4 * noise))
+    _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3, noise=PP_NOISE)
     assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
 
 

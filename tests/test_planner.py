@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import boost_compiler
 from boost_compiler.tp.groups import fake_process_group
+from tests.planner_checks import SPEC
 from tests.tp_harness import RTOL, run_world
 
 SLOW = ["hybrid/compiled", "dense/compiled"]
@@ -51,7 +52,19 @@ def test_planned_exact_and_as_predicted(two: dict, key: str) -> None:
 
 
 def test_the_dense_mlp_output_is_reduce_scattered(two: dict) -> None:
+    """As every rank executed it: each layer's MLP output (row-parallel, partial sums of
+    the hidden) is reduce-scattered onto the residual's shard, op and payload ``[H, b, s]``
+    (the scattered hidden first), and no forward all-reduce carries the hidden
+    ``[b, s, H]`` (the alternative: all-reduce, then slice). The plan's record of the
+    choice, with its alternative, says the same."""
     res = _result(two, "hybrid")
+    b, s, h, layers = (SPEC[k] for k in ("batch", "seq", "d", "layers"))
+    for rank in res["ranks"]:
+        fwd, bwd = rank["ran"]["forward"], rank["ran"]["backward"]
+        assert fwd.count(["reduce_scatter_tensor", [h, b, s]]) == layers, fwd
+        assert ["all_reduce", [b, s, h]] not in fwd, fwd
+        # backward: each scatter's all-gather of the gradient shards [b, s, H / 2]
+        assert bwd.count(["all_gather_into_tensor", [b, s, h // 2]]) == layers, bwd
     downs = [c for c in res["choices"] if "mlp.down_proj" in c[0]]
     assert downs and all(c[1] == "reduce-scatter" for c in downs), res["choices"]
     assert all(c[2] == ["all-reduce", "reduce-scatter"] for c in downs)

@@ -1,5 +1,7 @@
 """Real processes on one run folder (issue 25, items 8 and 9): a second trainer is refused
-by the folder's lock, naming the holder; the workers of a SIGKILLed torchrun stop.
+by the folder's lock, naming the holder; the workers of a SIGKILLed torchrun stop. And
+divergence at tp, pp and dp > 1 (item 10): every rank stops at the same step, or skips
+the same steps.
 
 Each trainer is the ``boost`` command itself, eager, the tiny model, throttled (``--throttle``)
 so that it is still running when the test acts. The 60 s bound is a hang guard, not a
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -158,3 +162,79 @@ def test_ranks_seeded_differently_train_rank_0s_model_under_torchrun(tmp_path: P
     res = json.loads(line)
     for tp, alone in zip(res["tp"], res["rank0_alone"], strict=True):
         assert abs(tp - alone) <= 1e-5 * abs(alone), res
+
+
+# -- 10: divergence on every rank -------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ranks(world: int, flags: list[str], root: Path, reaper: list[int]) -> list[tuple[int, str]]:
+    """``world`` ``boost train`` processes with torchrun's environment variables, started
+    by the test (not torchrun, which stops the other ranks once one exits: whether each
+    rank reached its own end would then be a race). Every rank's exit code and output."""
+    port, procs = _free_port(), []
+    for rank in range(world):
+        env = {**ENV, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "COLUMNS": "400"}  # fmt: skip
+        log = root / f"rank{rank}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen([*TRAIN, *flags], stdout=f, stderr=subprocess.STDOUT, env=env)
+        reaper.append(proc.pid)
+        procs.append((proc, log))
+    deadline = time.monotonic() + 4 * HANG_GUARD_S  # 4 ranks start on 2 shared cores
+    out = []
+    for proc, log in procs:
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # a rank that decided otherwise waits on its peers
+            texts = "\n".join(f"--- {lg.name}\n{lg.read_text()[-2000:]}" for _, lg in procs)
+            raise AssertionError(
+                f"a rank still runs after {4 * HANG_GUARD_S} s:\n{texts}"
+            ) from None
+        out.append((code, " ".join(log.read_text().split())))  # unwrapped
+    return out
+
+
+def test_lr_1e6_stops_every_rank_at_the_same_step_tp2_dp2(
+    tmp_path: Path, reaper: list[int]
+) -> None:
+    """--tp 2 --dp 2, eager: every rank ends by itself with DivergenceError (``boost train:
+    error: step N: non-finite ...``, exit code 2) naming the same step."""
+    ran = _ranks(4, ["--tp", "2", "--dp", "2", "--lr", "1e6", *_flags(tmp_path, 6)],
+                 tmp_path, reaper)  # fmt: skip
+    steps = []
+    for rank, (code, text) in enumerate(ran):
+        found = re.findall(
+            r"boost train: error: step (\d+): non-finite .*? training diverged", text
+        )
+        assert code == 2 and len(found) == 1, (rank, code, text[-3000:])
+        steps.append(int(found[0]))
+    assert len(set(steps)) == 1, steps
+
+
+def test_on_nonfinite_skip_skips_the_same_steps_on_every_rank_pp2_tp2(
+    tmp_path: Path, reaper: list[int]
+) -> None:
+    """--pp 2 --tp 2, eager, ``--on-nonfinite skip``: every rank skips the same steps (each
+    logs it), and all end after the last step, with a finite checkpoint."""
+    from boost_compiler.train import checkpoint as ckpt
+
+    flags = ["--pp", "2", "--tp", "2", "--lr", "1e6", "--on-nonfinite", "skip",
+             *_flags(tmp_path, 4)]  # fmt: skip
+    ran = _ranks(4, flags, tmp_path, reaper)
+    skipped = []
+    for rank, (code, text) in enumerate(ran):
+        assert code == 0, (rank, code, text[-3000:])
+        skipped.append(re.findall(r"step (\d+): non-finite [^:]*: optimizer step skipped", text))
+    assert skipped[0] and all(s == skipped[0] for s in skipped), skipped
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    noted = [str(r["step"]) for r in records if r.get("event") == "nonfinite"]
+    assert noted == skipped[0], (noted, skipped)
+    sd, _ = ckpt.single_device_state_dict(tmp_path / "ckpt" / "step_4")
+    assert all(bool(t.isfinite().all()) for t in sd.values() if t.is_floating_point())

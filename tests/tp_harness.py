@@ -88,6 +88,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
+def _norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius, in float64): an error relative to the whole tensor,
+    where :func:`_rel`'s largest element would let a wrong small part of it hide.
+
+    A reference that is exactly zero (the gradient of an embedding row no token reads)
+    must be matched exactly: the error is then 0, or infinite."""
+    if a.shape != b.shape:
+        return float("inf")
+    a, b = a.detach().double(), b.detach().double()
+    diff, norm = (a - b).norm().item(), b.norm().item()
+    return diff / norm if norm > 0 else (0.0 if diff == 0 else float("inf"))
+
+
 def probe_loss(out: torch.Tensor) -> torch.Tensor:
     """A loss of a model's output that changes under a sign flip or any permutation.
 

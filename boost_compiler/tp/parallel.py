@@ -174,19 +174,34 @@ def _decide(
     group: TPGroup,
     forced: TPPlan | None,
 ) -> tuple[TPPlan, list[str]]:
-    """The plan of the model's captured graphs, and the blocks kept as regions."""
-    blocks = repeated_blocks(model) if opts.settings["compile_blocks"] else []
-    graphs, blocks = _capture(model, example_inputs, example_kwargs, blocks)
-    whole = [dataclasses.replace(g, gm=inlined_copy(g.gm)) for g in graphs] if blocks else []
+    """The plan of the model's captured graphs, and the blocks kept as regions.
+
+    The plan's ``route`` says which way the model compiles, and why not per block when
+    it does not: a whole-model route is a slower first compile, which the user should
+    see in the plan rather than only in an INFO log.
+    """
+    if not opts.settings["compile_blocks"]:
+        blocks, why = [], "compile_blocks=False"
+    else:
+        blocks = repeated_blocks(model)
+        why = "no repeated blocks (a ModuleList of two or more alike children)"
+    graphs, kept, refused = _capture(model, example_inputs, example_kwargs, blocks)
+    why = refused or why
+    whole = [dataclasses.replace(g, gm=inlined_copy(g.gm)) for g in graphs] if kept else []
     decided = _plan(graphs, group, opts, forced)
-    if blocks and not _same_placements(model, decided, _plan(whole, group, opts, forced)):
+    differ = (
+        _differing_placements(model, decided, _plan(whole, group, opts, forced)) if kept else ""
+    )
+    if differ:
         # Planned again from a capture without regions: the inlined copy's nodes all
         # carry the first block's module path, which the plan's decisions would report.
-        graphs, blocks = _capture(model, example_inputs, example_kwargs, [])
+        graphs, kept, _ = _capture(model, example_inputs, example_kwargs, [])
         decided = _plan(graphs, group, opts, forced)
+        why = differ
+    decided.route = f"per-block ({len(kept)} blocks)" if kept else f"whole model: {why}"
     if forced is not None:
         check_blocks_fit(decided)
-    return decided, blocks
+    return decided, kept
 
 
 def _shared(
@@ -216,8 +231,9 @@ def _capture(
     example_inputs: tuple[Any, ...],
     example_kwargs: Mapping[str, Any] | None,
     blocks: list[str],
-) -> tuple[list[CapturedGraph], list[str]]:
-    """The model's graphs, its repeated blocks as regions; the blocks that could be.
+) -> tuple[list[CapturedGraph], list[str], str]:
+    """The model's graphs, its repeated blocks as regions; the blocks that could be; why
+    none could ("" when they were, or when there were none to try).
 
     A block dynamo cannot trace whole (a graph break inside it) cannot be a region:
     then the model is captured as one graph, and its blocks are left unmarked. Any
@@ -228,19 +244,19 @@ def _capture(
         return capture(model, example_inputs, example_kwargs,
                        refuse_parameter_writes=True, require_compiled=True)  # fmt: skip
 
+    why = ""
     if blocks:
         try:
             with marked(model, blocks):
                 graphs = run()
             if not any(_nested_calls(g.gm) for g in graphs):
-                return graphs, blocks
-            log.info("compile_blocks: %s's blocks run inside another region (a "
-                     "torch.utils.checkpoint): they compile with the whole model",
-                     type(model).__name__)  # fmt: skip
+                return graphs, blocks, ""
+            why = "the blocks run inside another region (a torch.utils.checkpoint)"
         except BoostError as exc:  # the capture without regions says what is wrong, if anything
-            log.info("compile_blocks: %s's blocks compile with the whole model (%s)",
-                     type(model).__name__, str(exc).splitlines()[0][:200])  # fmt: skip
-    return run(), []
+            why = f"the capture with blocks as regions failed ({str(exc).splitlines()[0][:200]})"
+        log.info("compile_blocks: %s's blocks compile with the whole model: %s",
+                 type(model).__name__, why)  # fmt: skip
+    return run(), [], why
 
 
 def _nested_calls(gm: torch.fx.GraphModule) -> bool:
@@ -255,23 +271,23 @@ def _nested_calls(gm: torch.fx.GraphModule) -> bool:
                isinstance(sub, torch.fx.GraphModule))  # fmt: skip
 
 
-def _same_placements(model: nn.Module, per_block: TPPlan, whole: TPPlan) -> bool:
-    """Whether the per-block plan places every parameter as the model planned whole does.
+def _differing_placements(model: nn.Module, per_block: TPPlan, whole: TPPlan) -> str:
+    """Why the per-block plan cannot stand ("" when it can): a parameter it places
+    otherwise than the model planned whole does.
 
     A bottleneck can span blocks (a dense MLP's down projection narrows to the hidden, and
     the next block's gate widens it again: found across the residual), which a block's
     body cannot see: planned alone, such a block keeps the dense projections whole.
     """
     differ = [n for n, pl in whole.params.items() if per_block.params.get(n) != pl]
-    if differ:
-        name = differ[0]
-        log.info(
-            "compile_blocks: %s compiles as one graph: planned whole it places %d "
-            "parameter(s) otherwise than block by block (%r: %s whole, %s per block)",
-            type(model).__name__, len(differ), name, whole.params[name],
-            per_block.params.get(name),
-        )  # fmt: skip
-    return not differ
+    if not differ:
+        return ""
+    name = differ[0]
+    why = (f"planned whole it places {len(differ)} parameter(s) otherwise than block by "
+           f"block ({name!r}: {whole.params[name]} whole, {per_block.params.get(name)} per "
+           "block)")  # fmt: skip
+    log.info("compile_blocks: %s compiles as one graph: %s", type(model).__name__, why)
+    return why
 
 
 def _forced_plan(

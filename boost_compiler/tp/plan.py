@@ -93,6 +93,10 @@ class TPPlan:
     graphs: list[GraphRecord] = field(default_factory=list)
     # The file (or "a TPPlan") whose placements parallelize(..., plan=) forced; None: decided.
     forced_from: str | None = None
+    # How parallelize compiles the model: "per-block (N blocks)", each repeated block one
+    # nested compile region, or "whole model: <why not per block>"; "" where no
+    # parallelize decided it (boost explain plans the model as one graph).
+    route: str = ""
 
     def record_graph(
         self, origin: str, inputs: tuple[str, ...], fallbacks: list[str], collectives: int,
@@ -119,7 +123,7 @@ class TPPlan:
         }  # fmt: skip
         return {
             "format": PLAN_FORMAT, "version": PLAN_VERSION, "model": model_name, "p": self.p,
-            "forced_from": self.forced_from, "params": params,
+            "forced_from": self.forced_from, "route": self.route, "params": params,
             "bottlenecks": [asdict(b) for b in self.bottlenecks],
             "collectives": [_collective_json(c) for c in self.collectives],
             "graphs": [asdict(g) for g in self.graphs],
@@ -136,7 +140,9 @@ class TPPlan:
             raise PlanFileError(f"{source}: plan format version {data.get('version')!r}; "
                                 f"this build reads {PLAN_VERSION}")  # fmt: skip
         try:
-            plan = TPPlan(p=int(data["p"]), group="", forced_from=data.get("forced_from"))
+            route = str(data.get("route") or "")  # files saved before it have none
+            plan = TPPlan(p=int(data["p"]), group="", forced_from=data.get("forced_from"),
+                          route=route)  # fmt: skip
             for name, entry in data["params"].items():
                 plan.params[name] = Placement.parse(entry["placement"], f"{source}: {name!r}")
                 plan.param_shapes[name] = tuple(int(s) for s in entry["shape"])
@@ -268,7 +274,8 @@ class TPPlan:
         )
 
     def __rich__(self) -> Group:
-        return Group(self.param_table(), self.memory_text(), self.collective_table())
+        route = [f"compiled: {self.route}"] if self.route else []
+        return Group(*route, self.param_table(), self.memory_text(), self.collective_table())
 
 
 def _collective_json(c: Collective) -> dict[str, Any]:
