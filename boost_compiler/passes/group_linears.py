@@ -132,7 +132,8 @@ def _independent(ups: list[fx.Node]) -> bool:
     if len(set(ups)) != len(ups):
         return False
     order = {n: i for i, n in enumerate(ups[0].graph.nodes)}
-    first = min(order[u] for u in ups)
+    # An up batched by an earlier group is no longer in the graph (LaX shares latents).
+    first = min((order[u] for u in ups if u in order), default=0)
     targets = set(ups)
     for up in ups:
         todo, seen = list(up.all_input_nodes), set()
@@ -140,7 +141,7 @@ def _independent(ups: list[fx.Node]) -> bool:
             node = todo.pop()
             if node in targets:
                 return False
-            if node in seen or order[node] < first:
+            if node in seen or order.get(node, -1) < first:
                 continue
             seen.add(node)
             todo.extend(node.all_input_nodes)
