@@ -35,15 +35,10 @@ from boost_compiler import layouts  # noqa: E402
 from boost_compiler.errors import LayoutError  # noqa: E402
 from boost_compiler.sparse import SparsePart  # noqa: E402
 from tests.layout_refs import read_folder, reference_logits, write_folder  # noqa: E402
-from tests.tp_harness import RTOL  # noqa: E402
+from tests.tp_harness import RTOL, _rel  # noqa: E402
 
 VOCAB = 256
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.detach().double(), want.detach().double()
-    return ((got - want).abs().max() / want.abs().max()).item()
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
