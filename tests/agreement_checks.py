@@ -119,3 +119,21 @@ def example_shapes_differ(*, world: int, mesh: Any) -> dict[str, Any]:
     model = _tiny(seed=4)
     ids = _ids(model, batch=2 + dist.get_rank())
     return _raised(lambda: boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids}))
+
+
+def env_option_differs(*, world: int, mesh: Any) -> dict[str, Any]:
+    """$BOOST_COMPILE_IN_TURNS (compile_in_turns' default) is set on rank 1 only: its
+    compiles would take barriers rank 0's never take."""
+    import boost_compiler
+
+    model = _tiny(seed=4)
+    ids = _ids(model)
+    before = os.environ.get("BOOST_COMPILE_IN_TURNS")
+    os.environ["BOOST_COMPILE_IN_TURNS"] = str(dist.get_rank())
+    try:
+        return _raised(lambda: boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids}))
+    finally:
+        if before is None:
+            del os.environ["BOOST_COMPILE_IN_TURNS"]
+        else:
+            os.environ["BOOST_COMPILE_IN_TURNS"] = before

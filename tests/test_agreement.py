@@ -18,7 +18,7 @@ FAST_S = 30.0  # a hang guard: the checks compare in one collective, after plann
 @pytest.fixture(scope="module")
 def world() -> dict:
     names = ["seeds_differ", "plan_files_differ", "batch_shapes_differ", "one_rank_fails",
-             "example_shapes_differ"]  # fmt: skip
+             "example_shapes_differ", "env_option_differs"]  # fmt: skip
     return run_world(2, [(n, f"tests.agreement_checks:{n}", ()) for n in names])
 
 
@@ -35,6 +35,7 @@ def test_ranks_built_from_other_seeds_train_rank_0s_model(world: dict) -> None:
         ("plan_files_differ", "differ in plan (rank 0: forced by plan="),
         ("batch_shapes_differ", "differ in input shapes"),
         ("example_shapes_differ", "differ in example inputs"),
+        ("env_option_differs", "differ in options"),
     ],
 )
 def test_a_difference_is_refused_on_every_rank(world: dict, case: str, words: str) -> None:
@@ -51,3 +52,71 @@ def test_one_ranks_error_stops_every_rank(world: dict) -> None:
     assert r0["raised"] == "PeerRankError" and "rank 1 of 2 failed" in r0["message"], r0
     assert "no_such_option" in r0["message"]
     assert max(r0["seconds"], r1["seconds"]) < FAST_S
+
+
+# What one rank sends to agree(): compared without a world (tp/parallel.py's _shared). Each
+# difference below is one that a 2-rank run would otherwise meet only as a hang.
+
+
+def _sent(model, options=None, plan=None) -> dict:
+    import torch
+
+    from boost_compiler.tp.parallel import _shared
+    from boost_compiler.tp.plan import TPPlan
+
+    plan = plan if plan is not None else TPPlan(p=2, group="")
+    return _shared(model, plan, options, (torch.zeros(2, 4),), None)
+
+
+def test_options_are_compared_as_each_rank_resolves_them(monkeypatch) -> None:
+    """compile_in_turns defaults from $BOOST_COMPILE_IN_TURNS, read on each rank: a rank
+    where it is set takes barriers in its compile that the others never take."""
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    monkeypatch.delenv("BOOST_COMPILE_IN_TURNS", raising=False)
+    unset = _sent(model, {})
+    monkeypatch.setenv("BOOST_COMPILE_IN_TURNS", "1")
+    assert _sent(model, {})["options"] != unset["options"]
+    assert "compile_in_turns" in str(_sent(model, {})["options"])
+
+
+def test_a_rank_on_meta_differs_from_a_rank_with_values() -> None:
+    """broadcast_from_first skips meta tensors: a rank built on meta would broadcast fewer
+    tensors than rank 0, pairing the rest with other collectives."""
+    import torch
+
+    real = torch.nn.Linear(4, 4)
+    with torch.device("meta"):
+        meta = torch.nn.Linear(4, 4)
+    key = next(k for k in _sent(real) if "parameters and buffers" in k)
+    assert _sent(real)[key] != _sent(meta)[key]
+    assert _sent(real)[key] == _sent(torch.nn.Linear(4, 4))[key]
+
+
+def test_plans_with_other_collectives_differ() -> None:
+    """The same placements, other collectives (a rule decided otherwise on one rank):
+    the ranks would issue different collectives."""
+    import torch
+
+    from boost_compiler.tp.comm_table import Collective
+    from boost_compiler.tp.plan import TPPlan
+
+    model = torch.nn.Linear(4, 4)
+    one, two = TPPlan(p=2, group=""), TPPlan(p=2, group="")
+    two.collectives.append(Collective("all_reduce", "mm", (2, 4), torch.float32, True, False,
+                                      "row-parallel"))  # fmt: skip
+    assert _sent(model, plan=one)["plan"] != _sent(model, plan=two)["plan"]
+
+
+def test_a_difference_in_a_long_list_is_named_by_its_entry() -> None:
+    """A model's tensors are hundreds of entries: the message shows the first that differs
+    (the parameter at fault), not every rank's whole list."""
+    from boost_compiler.tp.agreement import _shown
+
+    tensors = [f"layers.{i}.w: [4, 4] float32 cpu" for i in range(300)]
+    other = [*tensors[:7], "layers.7.w: [4, 8] float32 cpu", *tensors[8:]]
+    shown = _shown([tensors, other])
+    assert shown == ("entry 7 of 300: rank 0: layers.7.w: [4, 4] float32 cpu; "
+                     "rank 1: layers.7.w: [4, 8] float32 cpu")  # fmt: skip
+    assert "entry 300 of 301: rank 0: none (it has 300)" in _shown([tensors, [*tensors, "x"]])

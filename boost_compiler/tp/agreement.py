@@ -102,12 +102,29 @@ def agree(group: TPGroup, what: str, mine: Mapping[str, Any] | BaseException) ->
     for key in table[0]:
         values = [theirs.get(key) for theirs in table]
         if any(v != values[0] for v in values[1:]):
-            shown = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            shown = _shown(values)
             raise RankMismatchError(
                 f"{what}: the tensor-parallel ranks differ in {key} ({shown}). Every rank "
                 "must run the same program on the same shapes: give each rank the same "
                 f"{key}"
             )
+
+
+def _shown(values: list[Any]) -> str:
+    """Each rank's value; of lists (a model's tensors, a call's inputs: long), only the
+    first entry where the ranks differ, so that the message names it."""
+    if not all(isinstance(v, list) for v in values):
+        return "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+    longest = max(len(v) for v in values)
+
+    def at(v: list[Any], i: int) -> list[Any]:  # [] past the end: a shorter list differs
+        return [v[i]] if i < len(v) else []
+
+    i = next((i for i in range(longest) if any(at(v, i) != at(values[0], i) for v in values)), 0)
+    return f"entry {i} of {longest}: " + "; ".join(
+        f"rank {r}: {v[i] if i < len(v) else f'none (it has {len(v)})'}"
+        for r, v in enumerate(values)
+    )
 
 
 def broadcast_from_first(model: nn.Module, group: TPGroup) -> int:

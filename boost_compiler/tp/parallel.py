@@ -211,18 +211,30 @@ def _shared(
     example_inputs: Sequence[Any],
     example_kwargs: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """What every rank of the group must have alike to hold one model, shown per rank."""
-    tensors = [(n, list(t.shape), str(t.dtype))
+    """What every rank of the group must have alike to hold one model, shown per rank.
+
+    The device type is part of each tensor's entry: :func:`broadcast_from_first` skips
+    meta tensors, so a rank built on meta would take fewer broadcasts than rank 0. The
+    options are compared as each rank resolves them (``compile_in_turns`` defaults from
+    ``$BOOST_COMPILE_IN_TURNS``, read per process: a rank compiling in turns takes
+    barriers the others never do). The plan is compared by its collectives and route
+    too, not only its placements: those are what each rank will issue.
+    """
+    tensors = [f"{n}: {list(t.shape)} {str(t.dtype).removeprefix('torch.')} {t.device.type}"
                for n, t in (*model.named_parameters(), *model.named_buffers())]  # fmt: skip
+    opts = BoostOptions.parse(options)  # parsed once already: cannot raise here
     placements = {n: str(pl) for n, pl in sorted(decided.params.items())}
+    issued = [(c.kind, [str(s) for s in c.global_shape], str(c.dtype), c.forward, c.backward)
+              for c in decided.collectives]  # fmt: skip
+    route = decided.route.split(":")[0]  # "per-block (N blocks)" or "whole model", no why
     return {
-        "the model's parameters and buffers (names, shapes, dtypes)":
-            f"{len(tensors)} tensors, digest {digest(tensors)}",
-        "options": canonical(dict(options or {})),
+        "the model's parameters and buffers (names, shapes, dtypes, devices)": tensors,
+        "options": canonical({**opts.passes, **opts.settings}),
         "example inputs": input_signature(example_inputs, example_kwargs),
         # The content, not the file's path: ranks may each read their own copy of a plan.
-        "plan": f"{'forced by plan=' if decided.forced_from else 'decided'}, placements "
-                f"digest {digest(placements)}",
+        "plan": f"{'forced by plan=' if decided.forced_from else 'decided'}, {route or 'no'} "
+                f"route, placements digest {digest(placements)}, {len(issued)} collectives "
+                f"digest {digest(issued)}",
     }  # fmt: skip
 
 
