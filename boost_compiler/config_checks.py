@@ -20,6 +20,7 @@ refusal naming the config key, its value and the weight file:
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -36,6 +37,7 @@ __all__ = [
     "check_built_shapes",
     "check_size_fields",
     "header_shapes",
+    "weight_files",
 ]
 
 # Sizes and counts transformers' decoder configs give (gpt2's own names too); each must be
@@ -89,6 +91,33 @@ def check_size_fields(
                 f"{where}: '{key}' is {value!r}; a size or count of the model must be a positive "
                 "integer (transformers would divide by it or build a tensor of that size)"
             )
+
+
+def weight_files(folder: Path, error: type[HFFolderError] = HFFolderError) -> list[Path]:
+    """The folder's ``*.safetensors``, once every shard its index names is among them.
+
+    Why first: the checks below read the shapes of the files that are there, so a shard
+    missing from an interrupted download or copy would read as "the config counts layers
+    the weights lack", whose advice (fewer layers) loads a truncated model; transformers
+    itself names it only with a bare ``FileNotFoundError``, after building the model.
+    """
+    found = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return found
+    try:
+        named = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise error(f"{index}: not a safetensors index ({type(err).__name__}: {err})") from err
+    missing = sorted(str(n) for n in named - {f.name for f in found})
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
+        raise error(
+            f"{index}: names {len(missing)} weight file(s) that are not in the folder: {shown}. "
+            "The download or copy is incomplete: fetch the missing shards"
+        )
+    return found
 
 
 def header_shapes(

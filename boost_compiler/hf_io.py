@@ -52,6 +52,7 @@ from .config_checks import (
     check_built_shapes,
     check_size_fields,
     header_shapes,
+    weight_files,
 )
 from .convert import LowRankLinear, _conv1d_type, _dims, low_rank_layout
 from .errors import BoostError, HFFolderError, RemoteCodeError
@@ -337,7 +338,7 @@ def from_pretrained(path: str | Path, *, strict: bool = True, **kwargs: Any) -> 
     cls = causal_lm_class(config)
     if layout is not None:
         cls = _low_rank_class(cls)
-    weights = sorted(folder.glob("*.safetensors"))
+    weights = weight_files(folder)
     if not weights:
         raise HFFolderError(f"{folder}: no .safetensors weights (pickled weights are not read)")
     shapes = header_shapes(weights)

@@ -374,3 +374,28 @@ def test_a_filesystem_without_flock_is_named(tmp_path: Path, monkeypatch: pytest
                        r"implemented\): its filesystem does not support flock"):  # fmt: skip
         RunLock.acquire(tmp_path)  # was: the raw OSError
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+@pytest.mark.parametrize("lost", ["the last shard", "the shards of the last layer"])
+def test_a_sharded_folder_missing_a_shard_names_the_file(tmp_path: Path, lost: str) -> None:
+    """An interrupted download: the index names shards that are not there. Was: a bare
+    FileNotFoundError from transformers, or, for the shards of the last layer, "the config
+    counts layers the weights lack: set num_hidden_layers to 1", advice that would load
+    a truncated model."""
+    tf = need("transformers")
+    config = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, vocab_size=256)  # fmt: skip
+    torch.manual_seed(0)
+    folder = tmp_path / "m"
+    tf.LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="100KB")
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    if lost == "the last shard":
+        gone = [max(weight_map.values())]
+    else:
+        gone = sorted({f for k, f in weight_map.items() if ".layers.1." in k})
+        assert all(".layers.1." not in k for k, f in weight_map.items() if f not in gone)
+    for name in gone:
+        (folder / name).unlink()
+    with pytest.raises(HFFolderError, match=f"not in the folder: {gone[0]}") as info:
+        _from_pretrained(folder)
+    assert "set num_hidden_layers" not in str(info.value)

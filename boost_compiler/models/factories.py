@@ -101,6 +101,7 @@ def hf_config(
         check_built_shapes,
         check_size_fields,
         header_shapes,
+        weight_files,
     )
     from ..hf_io import auto_config, refuse_remote_code
 
@@ -108,7 +109,7 @@ def hf_config(
     # a folder's own code never runs, whatever it asks; sizes transformers divides by
     check_size_fields(refuse_remote_code(Path(folder)), str(file))
     cfg = auto_config(Path(folder))
-    weights = sorted(Path(folder).glob("*.safetensors"))
+    weights = weight_files(Path(folder))
     shapes = header_shapes(weights)
     files = ", ".join(w.name for w in weights[:3]) + (", ..." if len(weights) > 3 else "")
     if weights:
