@@ -101,8 +101,9 @@ def parallelize(
     and the example inputs' shapes; a difference raises
     :class:`~boost_compiler.errors.RankMismatchError` on every rank, and an error on one
     rank raises :class:`~boost_compiler.errors.PeerRankError` naming it on the others,
-    before any parameter is modified. The first call of the returned model compares its
-    inputs' shapes the same way (later calls do not: each comparison is a collective).
+    before any parameter is modified. The first call of the model itself compares its inputs'
+    shapes the same way (not later calls, each a collective, nor calls traced into a compiled
+    caller's graph, where ShadowForward inlines the shadow without it).
 
     Returns the same module, its parameters now this rank's shards, its plan in
     ``model.boost_plan``. The forward keeps its signature; use it eagerly or
