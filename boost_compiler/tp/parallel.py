@@ -214,12 +214,11 @@ def _shared(
 ) -> dict[str, Any]:
     """What every rank of the group must have alike to hold one model, shown per rank.
 
-    The device type is part of each tensor's entry: :func:`broadcast_from_first` skips
-    meta tensors, so a rank built on meta would take fewer broadcasts than rank 0. The
-    options are compared as each rank resolves them (``compile_in_turns`` defaults from
-    ``$BOOST_COMPILE_IN_TURNS``, read per process: a rank compiling in turns takes
-    barriers the others never do). The plan is compared by its collectives and route
-    too, not only its placements: those are what each rank will issue.
+    Each tensor's device type: :func:`broadcast_from_first` skips meta tensors, so a rank
+    built on meta would take fewer broadcasts than rank 0. The options as each rank resolves
+    them (``compile_in_turns`` defaults from ``$BOOST_COMPILE_IN_TURNS``, read per process: a
+    rank compiling in turns takes barriers the others never do). The plan's collectives and
+    route, not only its placements: what each rank will issue.
     """
     tensors = [f"{n}: {list(t.shape)} {str(t.dtype).removeprefix('torch.')} {t.device.type}"
                for n, t in (*model.named_parameters(), *model.named_buffers())]  # fmt: skip
