@@ -40,7 +40,7 @@ from .tp.plan import TPPlan
 from .tp.shadow import ParallelState, parallel_state
 from .tp.state_dict import gather_state_dict, load_state_dict, reset_parameters
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one source: pyproject.toml reads it (dynamic version)
 
 __all__ = [
     "BoostError",

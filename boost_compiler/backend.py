@@ -224,9 +224,12 @@ def _symm_mem_patches(tp: Any, opts: BoostOptions) -> dict[str, Any]:
         return {}
     import torch.distributed as dist
 
+    from .device import group_backend
+
     pg = dist.distributed_c10d._resolve_process_group(tp.name)
+    # symmetric memory is CUDA memory: what counts is the backend of the CUDA tensors
     return symm_mem.inductor_patches(
-        tp.name, dist.get_backend(pg), opts.settings["symm_mem_all_reduce"],
+        tp.name, group_backend(pg, "cuda"), opts.settings["symm_mem_all_reduce"],
         opts.settings["collective_wait"], opts.settings["overlap_comm"],
     )  # fmt: skip
 

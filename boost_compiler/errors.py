@@ -30,6 +30,11 @@ class ShardingError(BoostError, ValueError):
     """A model dimension cannot be split over the tensor-parallel degree."""
 
 
+class ExpertAlignmentError(ShardingError):
+    """A rank's slice of an expert weight would break ``torch._grouped_mm``'s 16-byte
+    stride alignment (it fails on CUDA)."""
+
+
 class MeshError(BoostError, ValueError):
     """The device mesh or process group given to ``parallelize`` is unusable."""
 

@@ -84,3 +84,26 @@ def test_exposed_comm_is_the_wait_on_every_rank() -> None:
                 assert s["exposed comm"] >= 50, s
             else:  # slept in Python (overhead), then found rank 0 already waiting
                 assert s["overhead"] >= 55 and s["exposed comm"] < 30, s
+
+
+def _table_text(device: str) -> str:
+    """The report's breakdown table for one rank's step that ran on ``device``, as text."""
+    from rich.console import Console
+
+    from boost_compiler.bench.report import breakdown_table
+
+    step = {"wall_ms": 10.0, **dict.fromkeys(breakdown.PARTS, 2.0)}
+    mid = breakdown.median_step([step], 0.01, device)
+    summary = {"small": {"boost": {"breakdown": breakdown.summarise([mid])}}}
+    console = Console(record=True, width=400)
+    console.print(breakdown_table(summary))
+    return console.export_text()
+
+
+def test_the_table_says_whose_clock_it_reads() -> None:
+    """Issue 42: the parts are the CPU thread's self time; on a GPU that is launch time,
+    not the kernels': such a table says so."""
+    on_cpu, on_gpu = _table_text("cpu"), _table_text("cuda")
+    assert "ms of the main CPU thread" in on_cpu and "CPU-only clock" not in on_cpu
+    assert "CPU-only clock: these steps ran on cuda" in " ".join(on_gpu.split())
+    assert breakdown.clock_note([{"device": "cpu"}, {"device": None}]) is not None

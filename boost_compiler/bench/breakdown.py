@@ -20,6 +20,12 @@ it contributes its *self* time (its own time, children excluded) to one part:
 ``overhead``       the rest of the step: Python, dynamo's guards, dispatch, autograd's
                    engine, DTensor's sharding propagation, the wrappers' own time.
 
+Every part is the main CPU thread's time. On a CPU run that is where the kernels run; on
+an accelerator it is only their launches (and the waits), so the parts say where the host's
+time goes, not the device's: each step records its ``device`` and ``clock`` ("host"), and
+the report's table says so in its title and, for a step that ran elsewhere than the CPU,
+in red (:func:`clock_note`).
+
 Overhead is the remainder, so the parts of a profiled step sum to its wall time exactly;
 what can disagree is the profiled step and the timed ones (profiler cost), reported as
 ``profiled_vs_timed``. The step whose wall time is the median of the profiled ones is kept.
@@ -117,10 +123,14 @@ def profile_steps(
     return steps_of(prof)
 
 
-def median_step(steps: list[dict[str, float]], timed_step_s: float) -> dict[str, Any]:
-    """The profiled step of median wall time, beside the timed median (``timed_ms``)."""
+def median_step(
+    steps: list[dict[str, float]], timed_step_s: float, device: str | None = None
+) -> dict[str, Any]:
+    """The profiled step of median wall time, beside the timed median (``timed_ms``);
+    ``device``: the type of the device the step's tensors were on."""
     ordered = sorted(steps, key=lambda s: s["wall_ms"])
-    mid = dict(ordered[(len(ordered) - 1) // 2])
+    mid: dict[str, Any] = dict(ordered[(len(ordered) - 1) // 2])
+    mid["clock"], mid["device"] = "host", device
     timed = timed_step_s * 1e3
     mid["timed_ms"] = timed
     mid["profiled_vs_timed"] = mid["wall_ms"] / timed if timed else None
@@ -140,6 +150,18 @@ def _spread(ranks: list[dict[str, Any]]) -> float:
     return max(walls) - min(walls) if walls else 0.0
 
 
+def clock_note(ranks: list[dict[str, Any]]) -> str | None:
+    """What a table of these breakdowns must say: None where every step ran on the CPU
+    (the host's time is the compute's), else that the parts are host time only."""
+    elsewhere = sorted({r.get("device") or "an unrecorded device" for r in ranks} - {"cpu"})
+    if not elsewhere:
+        return None
+    return (
+        f"CPU-only clock: these steps ran on {', '.join(elsewhere)}, where the parts are the "
+        "host thread's time (kernel launches, waits), not the device's kernel time"
+    )
+
+
 def within(parts: dict[str, Any], tolerance: float = 0.05) -> bool:
     """Do the parts of a profiled step account for the timed step within ``tolerance``?"""
     total = sum(parts[p] for p in PARTS)
@@ -148,6 +170,6 @@ def within(parts: dict[str, Any], tolerance: float = 0.05) -> bool:
 
 
 __all__ = [
-    "PARTS", "classify", "median_step", "profile_steps", "split_step", "steps_of",
+    "PARTS", "classify", "clock_note", "median_step", "profile_steps", "split_step", "steps_of",
     "summarise", "within",
 ]  # fmt: skip

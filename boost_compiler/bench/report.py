@@ -125,13 +125,17 @@ def breakdown_table(summary: dict[str, dict[str, Any]]) -> Any:
     """Each system's step on each rank split into parts that add up to it (ms)."""
     from rich.table import Table
 
-    from .breakdown import PARTS, within
+    from .breakdown import PARTS, clock_note, within
 
+    ranks = [b for rows in summary.values() for r in rows.values()
+             for b in (r.get("breakdown") or {}).get("ranks", [])]  # fmt: skip
+    note = clock_note(ranks)
     t = Table(
-        title="Where a step's time goes, per rank (ms): the profiled step of median wall time, "
-        "beside the timed median",
+        title="Where a step's time goes, per rank (ms of the main CPU thread): the profiled "
+        "step of median wall time, beside the timed median",
         title_justify="left",
-        caption="GEMM: aten mm/bmm/addmm; other compute: every other op, attention and the "
+        caption=(f"[red]{note}.[/] " if note else "")
+        + "GEMM: aten mm/bmm/addmm; other compute: every other op, attention and the "
         "compiled graphs' fused kernels; exposed comm: time the rank's main thread spends "
         "issuing or waiting in collectives (the backend's own threads are not counted: what "
         "remains is what was not overlapped); overhead: Python, guards, dispatch, autograd. "

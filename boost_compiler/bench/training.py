@@ -289,7 +289,8 @@ class _System:
                 dist.barrier()
 
         steps = breakdown.profile_steps(run_step, len(self.losses), n, before=barrier)
-        return breakdown.median_step(steps, timed_step_s)
+        device = next(self.model.parameters()).device.type
+        return breakdown.median_step(steps, timed_step_s, device)
 
     def finish(self, profile: bool, breakdown_steps: int = 0) -> dict[str, Any]:
         out = self.out

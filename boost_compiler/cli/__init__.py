@@ -71,6 +71,9 @@ def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="boost-compiler: tensor parallelism for low-rank LLMs"
     )
+    from .. import __version__
+
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
     for name, spec in COMMANDS.items():
         if name == selected:

@@ -16,7 +16,9 @@ all-reduce between two idle processes takes 3.4 ms (median; 0.3 ms at best), and
 ms when the waiter polls. MPI libraries busy-poll their progress engines for the same
 reason. The poll yields the core between checks (``sched_yield``), so gloo's own threads,
 which do the transfer, are not starved. On NCCL the wait is a stream dependency, not a
-CPU sleep: ``auto`` polls gloo groups only and blocks elsewhere.
+CPU sleep: ``auto`` polls the collectives gloo moves only (decided per collective, from
+its tensor's device: one group can hold NCCL for CUDA tensors and gloo for CPU ones) and
+blocks elsewhere.
 """
 
 from __future__ import annotations
@@ -85,8 +87,9 @@ def all_gather_start(x: torch.Tensor, group_size: int, group_name: str) -> torch
     import torch.distributed as dist
 
     out = x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
-    work = dist.all_gather_into_tensor(out, x.contiguous(), group=_group(group_name),
-                                       async_op=True)  # fmt: skip
+    # all_gather_single: torch 2.13 deprecates all_gather_into_tensor with a FutureWarning
+    # every user of a polled all-gather would see as if torch's own
+    work = dist.all_gather_single(out, x.contiguous(), group=_group(group_name), async_op=True)
     _PENDING[_key(out)] = work
     return out
 
@@ -120,16 +123,27 @@ STARTS = {
 WAIT = torch.ops.boost.collective_wait.default
 
 
-def polls(group_name: str, mode: str) -> bool:
-    """Whether a collective on ``group_name`` is polled under option ``collective_wait``."""
+def polls(group_name: str, mode: str, device: torch.device | None = None) -> bool:
+    """Whether a collective moving ``device``'s tensors on ``group_name`` is polled under
+    option ``collective_wait``: under ``auto``, where gloo moves them (a group made with
+    ``"cuda:nccl,cpu:gloo"`` polls its CPU tensors' collectives, not its CUDA ones'); an
+    unknown device or group blocks, which costs latency, never a value."""
     if mode in ("block", "poll"):
         return mode == "poll"
-    import torch.distributed as dist
+    if device is None:
+        return False
+    from ..device import group_backend
 
     try:
-        return dist.get_backend(_group(group_name)) == "gloo"
+        return group_backend(_group(group_name), device) == "gloo"
     except (RuntimeError, ValueError, KeyError):  # not a live group (a traced fake one)
         return False
+
+
+def _device(node: fx.Node) -> torch.device | None:
+    """The device of the tensor the collective ``node`` moves, as traced."""
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    return val.device if isinstance(val, torch.Tensor) else None
 
 
 def split_collectives(graph: fx.Graph, mode: str = "auto", split_blocking: bool = True) -> int:
@@ -148,7 +162,7 @@ def split_collectives(graph: fx.Graph, mode: str = "auto", split_blocking: bool 
             continue
         if op_at is not None and node.args[op_at] not in _REDUCE_OPS:
             continue
-        poll = polls(node.args[-1], mode)
+        poll = polls(node.args[-1], mode, _device(node))
         if not (poll or split_blocking):
             continue
         with graph.inserting_before(node):

@@ -24,17 +24,19 @@ BACKENDS = ("nccl", "fake")
 
 
 def inductor_patches(
-    group_name: str, backend: str, max_bytes: int, wait: str, overlap: bool
+    group_name: str, backend: str | None, max_bytes: int, wait: str, overlap: bool
 ) -> dict[str, Any]:
     """Inductor config patches for ``max_bytes`` (0: none) on the tensor-parallel group
-    ``group_name`` of process-group ``backend``; enables the group's symmetric memory."""
+    ``group_name`` whose CUDA tensors ``backend`` moves (``device.group_backend``; None:
+    no backend does); enables the group's symmetric memory."""
     if max_bytes <= 0:
         return {}
     if backend not in BACKENDS:
         raise OptionError(
             f"boost option 'symm_mem_all_reduce' needs CUDA tensors on an NCCL process "
-            f"group; the tensor-parallel group {group_name!r} is {backend!r}. "
-            "Leave the option at 0 on this group."
+            f"group; the tensor-parallel group {group_name!r} moves CUDA tensors with "
+            f"{backend!r}. Create it with backend 'nccl' (or 'cuda:nccl,cpu:gloo'), or "
+            "leave the option at 0 on this group."
         )
     if wait == "poll" or overlap:
         raise OptionError(

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
+from ..device import group_backend, pick_device
 from ..errors import PeerRankError, RankMismatchError
 from .groups import TPGroup
 
@@ -37,7 +38,7 @@ def _process_group(group: TPGroup) -> dist.ProcessGroup:
 
 def _communicates(pg: dist.ProcessGroup) -> bool:
     # The fake group (structure tests, one process) moves no bytes: nothing to agree on.
-    return pg.size() > 1 and dist.get_backend(pg) != "fake"
+    return pg.size() > 1 and group_backend(pg, pick_device()) != "fake"
 
 
 def input_signature(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> list[str]:

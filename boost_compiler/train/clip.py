@@ -52,19 +52,13 @@ def global_grad_norm(
     ``dp_group``: sum everything over it; pass it only when gradients are sharded
     over dp (FSDP2), not when they are all-reduced (replicated).
     """
-    sharded: list[torch.Tensor] = []
-    replicated: list[torch.Tensor] = []
-    device = None
+    grads: dict[bool, list[torch.Tensor]] = {True: [], False: []}
     for slot in slots:
-        grad = slot.param.grad
-        if grad is None:
-            continue
-        g = local_tensor(grad)
-        device = g.device
-        (sharded if slot.tp_sharded else replicated).append(g.detach().float().pow(2).sum())
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    sq_sharded = torch.stack(sharded).sum() if sharded else zero.clone()
-    sq_replicated = torch.stack(replicated).sum() if replicated else zero.clone()
+        if slot.param.grad is not None:
+            grads[slot.tp_sharded].append(local_tensor(slot.param.grad))
+    device = next((g[0].device for g in grads.values() if g), None)
+    with torch.no_grad():
+        sq_sharded, sq_replicated = (_sum_of_squares(grads[k], device) for k in (True, False))
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(sq_sharded, group=tp_group)
     total = sq_sharded + sq_replicated
@@ -89,7 +83,29 @@ def clip_grad_norm_(
     if max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         with torch.no_grad():
-            for slot in slots:
-                if slot.param.grad is not None:
-                    local_tensor(slot.param.grad).mul_(coef)
+            for grads in _by_device(slots).values():
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+    """sum g^2 over ``grads`` in fp32, a fixed number of kernels however many there are
+    (one per parameter each was a launch and, with small gradients, most of the time)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = []
+    for group in _group_by_device(grads).values():
+        norms.extend(torch._foreach_norm(group, 2.0, dtype=torch.float32))
+    return torch.stack([n.to(device) for n in norms]).pow(2).sum()
+
+
+def _group_by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
+def _by_device(slots: list[GradSlot]) -> dict[torch.device, list[torch.Tensor]]:
+    grads = [local_tensor(s.param.grad) for s in slots if s.param.grad is not None]
+    return _group_by_device(grads)

@@ -52,14 +52,20 @@ def check_finite_parameters(run: Any, step: int, last: Path | None) -> None:
     A finite gradient can still overflow a parameter (a huge lr times weight decay), which
     the loss shows only at the next step. A collective over the world: every rank saves.
     """
-    ok = all(bool(torch.isfinite(_local(e.param)).all()) for e in run.layout.entries)
-    flag = torch.tensor([1.0 if ok else 0.0], device=run.device)
+    entries = run.layout.entries
+    # one host sync in all (the .item() below), not one per parameter: each is a GPU stall
+    finite = [torch.isfinite(_local(e.param)).all().to(run.device) for e in entries]
+    per_param = torch.stack(finite) if finite else torch.ones(0, dtype=torch.bool)
+    flag = per_param.all().float().reshape(1).to(run.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if flag.item() < 1.0:
+        bad = [e.name for e, ok in zip(entries, per_param.tolist(), strict=True) if not ok]
+        more = " ..." if len(bad) > 5 else ""
+        where = f"on this rank: {', '.join(bad[:5])}{more}" if bad else "on another rank"
         raise DivergenceError(
-            f"step {step}: the parameters hold NaN/inf (a finite gradient overflowed them): "
-            f"not saved over the last checkpoint ({last or 'none'}). Lower --lr or "
-            "--weight-decay, and resume from the last checkpoint"
+            f"step {step}: the parameters hold NaN/inf ({where}; a finite gradient "
+            f"overflowed them): not saved over the last checkpoint ({last or 'none'}). "
+            "Lower --lr or --weight-decay, and resume from the last checkpoint"
         )
 
 

@@ -26,8 +26,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ...errors import ExpertAlignmentError
 from ...ir.op_table import add_library_op, add_spelling, op_kind
-from ...ir.ops import is_elementwise_on_last_dim, shape_of
+from ...ir.ops import is_elementwise_on_last_dim, shape_of, value_of
 from ..placement import P, Placement, R, S
 from ..strategy import RuleContext, Strategy, Then, fallback, replicated
 from .matrix import fused_blocks
@@ -41,6 +42,12 @@ add_spelling(KIND, *(f for f in (getattr(torch, "_grouped_mm", None),
 add_library_op(KIND, "transformers::grouped_mm_fallback")
 
 _ROW, _COL = S(1), 2  # x's contracted dim; the weight's output dim (of [E, K, N])
+# torch's own kernel: on CUDA its operands' strides must be 16-byte aligned (transformers'
+# fallback op, a loop of mm, has no such need)
+_TORCH_KERNELS = tuple(f for f in (getattr(torch, "_grouped_mm", None),
+                                   getattr(F, "grouped_mm", None),
+                                   getattr(torch.ops.aten, "_grouped_mm", None)) if f is not None)  # fmt: skip
+_ALIGN_BYTES = 16
 
 
 def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
@@ -82,7 +89,7 @@ def grouped_mm(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     x_pl = ctx.placement(x)
     if found is not None and ctx.is_open(found[0]):
         if x_pl in (R, _ROW) and _down_factor(node):  # BTP: the rank carries the sum
-            return _narrow_row_parallel(ctx, x, w, found)
+            return _narrow_row_parallel(ctx, node, x, found)
         if x_pl == _ROW:  # a hidden shard dispatched: the expert is a bottleneck
             return _row_parallel(ctx, node, x, w, found)
         return _column_parallel(ctx, node, x, w, found) if x_pl == R else fallback()
@@ -107,7 +114,7 @@ def _row_parallel(
     reduce-scattered) or left pending through the ops linear in it (``partial.py``: the
     routing weights, the token order, the sum over the top-k), for the planner to weigh."""
     s = Strategy(out=P).read(x, _ROW)
-    if not _take(ctx, s, w, found, S(1)):
+    if not _take(ctx, s, node, found, S(1)):
         return fallback()
     pending = replace(s, label="pending")
     reduced = replace(s, then=Then(R, "experts row-parallel"), label="all-reduce")
@@ -130,19 +137,22 @@ def _column_parallel(
     if not blocks and (not isinstance(n, int) or n % ctx.p):
         return replicated() if ctx.placement(x) == R else fallback()
     s = Strategy(out=S(1, blocks)).read(x, R)
-    return s if _take(ctx, s, w, found, S(_COL, blocks)) else fallback()
+    return s if _take(ctx, s, node, found, S(_COL, blocks)) else fallback()
 
 
 def _take(
     ctx: RuleContext,
     s: Strategy,
-    w: fx.Node,
+    node: fx.Node,
     found: tuple[fx.Node, bool] | None,
     want: Placement,
 ) -> bool:
-    """Read the weight operand as ``want``; fix its open parameter so (through the
-    transpose: ``K``/``N`` swap). A whole weight is sliced on a plain split (exact, its
-    gradient gathered back); False for anything else."""
+    """Read the GEMM ``node``'s weight operand as ``want``; fix its open parameter so
+    (through the transpose: ``K``/``N`` swap). A whole weight is sliced on a plain split
+    (exact, its gradient gathered back); False for anything else."""
+    w = _operands(node)[1]  # type: ignore[index]
+    if want.dim is not None and want.dim > 0:
+        _check_aligned(ctx, node, w, want.dim)
     if found is not None and ctx.is_open(found[0]):
         param, swapped = found
         dim = {1: 2, 2: 1}[want.dim] if swapped else want.dim
@@ -189,11 +199,37 @@ def _down_factor(node: fx.Node) -> bool:
 
 
 def _narrow_row_parallel(
-    ctx: RuleContext, x: fx.Node, w: fx.Node, found: tuple[fx.Node, bool]
+    ctx: RuleContext, node: fx.Node, x: fx.Node, found: tuple[fx.Node, bool]
 ) -> Strategy:
     """A down factor row-parallel (a replicated input sliced on ``K``), its narrow partial
     all-reduced at once: the next (up) factor reads it whole and runs column-parallel."""
     s = Strategy(out=P).read(x, _ROW)
-    if not _take(ctx, s, w, found, S(1)):
+    if not _take(ctx, s, node, found, S(1)):
         return fallback()
     return replace(s, then=Then(R, "experts bottleneck"), label="all-reduce")
+
+
+def _check_aligned(ctx: RuleContext, node: fx.Node, w: fx.Node, dim: int) -> None:
+    """Refuse, at plan time, a split of ``w`` (as the GEMM reads it, ``[E, K, N]``) on
+    ``dim`` whose per-rank width breaks ``torch._grouped_mm``'s 16-byte stride alignment:
+    the rank's ``[S, K/p]`` input or ``[E, K, N/p]`` weight would have a misaligned row
+    stride, which the CUDA kernel rejects only when the step runs. Checked on every
+    device: a plan is the same wherever it was made."""
+    if node.target not in _TORCH_KERNELS:
+        return
+    val, size = value_of(w), (shape_of(w) or ())[dim : dim + 1]
+    if not size or not isinstance(size[0], int) or size[0] % ctx.p or val is None:
+        return  # not split evenly: the rule runs these experts whole
+    per_rank, itemsize = size[0] // ctx.p, val.dtype.itemsize
+    if per_rank * itemsize % _ALIGN_BYTES == 0:
+        return
+    step = _ALIGN_BYTES // itemsize
+    good = [p for p in range(2, 65) if size[0] % (p * step) == 0][:4]
+    raise ExpertAlignmentError(
+        f"{node.name}: torch._grouped_mm's expert weight [E, K, N] = {list(shape_of(w))} "
+        f"split on {'KN'[dim - 1]} over tp={ctx.p} gives each rank {per_rank} "
+        f"{val.dtype} elements, and on CUDA the kernel needs a multiple of {step} "
+        f"({_ALIGN_BYTES} bytes). Use a tensor-parallel size that keeps it aligned "
+        f"({', '.join(map(str, good)) or 'none up to 64'}), or pad that width ({size[0]}) "
+        f"to a multiple of {step * ctx.p}"
+    )
