@@ -24,6 +24,7 @@ from ..errors import VocabSizeError
 from ..tp.shadow import parallel_state
 from . import checkpoint as ckpt
 from . import comm, hf_model
+from . import fsdp as fsdp_units
 from .clip import GradSlot
 from .config import TrainConfig, TrainConfigError
 from .data import DataSource, load_corpus, model_vocab, open_data, open_eval
@@ -125,11 +126,22 @@ def apply_btp(model: nn.Module, cfg: TrainConfig, tp_mesh: Any, example: torch.T
         boost_compiler.parallelize(model, tp_mesh, (example,), kwargs)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: Any) -> None:
-    """FSDP2 over ``dp``: the root module only (the forward runs the shadow's tree)."""
-    from torch.distributed.fsdp import fully_shard
+def apply_fsdp(model: nn.Module, dp_mesh: Any, cfg: TrainConfig) -> None:
+    """FSDP2 over ``dp``: per block, then the root, in ``--mixed-precision`` (:mod:`.fsdp`)."""
+    fsdp_units.shard(model, dp_mesh, cfg.mixed_precision)
 
-    fully_shard(model, mesh=dp_mesh)
+
+def uses_fsdp(cfg: TrainConfig, dp: int) -> bool:
+    """Whether FSDP2 wraps the model: at dp > 1 unless ``--no-fsdp``, and always under
+    ``--mixed-precision``.
+
+    At dp = 1 torchtitan gets bf16 compute from ``torch.autocast`` instead (and none at
+    all with TP or PP only). Here FSDP2 on the one-rank dp mesh gives it: the same
+    ``MixedPrecisionPolicy`` then computes every layout's step (the model's own ops in
+    bf16, gradients reduced in fp32), so a run's losses agree across (dp, tp) layouts
+    up to rounding, as in fp32; autocast would keep some ops fp32 at dp = 1 only.
+    """
+    return (dp > 1 and cfg.fsdp) or cfg.mixed_precision != "none"
 
 
 def apply_compile(model: nn.Module, cfg: TrainConfig, fsdp: bool) -> Any:
@@ -171,9 +183,9 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.bf16:
         model = model.to(torch.bfloat16)
     apply_btp(model, cfg, mesh["tp"], corpus.example().to(device))
-    fsdp = dp > 1 and cfg.fsdp
+    fsdp = uses_fsdp(cfg, dp)
     if fsdp:
-        apply_fsdp(model, mesh["dp"])
+        apply_fsdp(model, mesh["dp"], cfg)
     layout = ckpt.model_layout(model, mesh["tp"] if tp > 1 else None)
     slots, opt = make_optimizer(layout, cfg, tp)
     forward = apply_compile(model, cfg, fsdp)
@@ -202,7 +214,7 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     if cfg.bf16:
         model = model.to(torch.bfloat16)
     model_keys = list(model.state_dict().keys())  # before the split: every stage's names
-    fsdp = dp > 1 and cfg.fsdp
+    fsdp = uses_fsdp(cfg, dp)
     pipe = build_pipeline(
         model, mesh, cfg.batch // dp, cfg.seq, cfg.micro_batches(dp), fsdp=fsdp,
         layer_counts=cfg.pp_layers, compile=cfg.compile, schedule=cfg.schedule,

@@ -1,0 +1,114 @@
+"""One 4-rank world for tests/test_mixed_precision.py: what each rank runs.
+
+1. ``boost train``'s own ``train`` at tp=2 x dp=2, ``--mixed-precision bf16``: its losses
+   and gradient norms (rank 0 writes the metrics file).
+2. fp32, dp=4: per-block FSDP2 (``train.fsdp.shard``) against root-only ``fully_shard``,
+   for a CoLA-LLaMA and a transformers Llama: the losses and the final parameters must be
+   the same bits; and while the first block computes, the last one is still sharded
+   (gathered per block), which under root-only wrapping it is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STEPS = 3
+
+
+def rank_main(
+    rank: int, world: int, port: int, out: str, train_kw: dict[str, Any], families: tuple[str, ...]
+) -> None:
+    """A rank with torchrun's environment; rank 0 writes ``out`` (JSON)."""
+    fd = os.open(Path(out).with_suffix(f".rank{rank}.log"), os.O_WRONLY | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    from boost_compiler.train import TrainConfig, train
+
+    dist.init_process_group("gloo")  # train() runs in this world, and leaves it to us
+    t0 = time.monotonic()
+    exact = {family: per_block_vs_root(family, out) for family in families}
+    t1 = time.monotonic()
+    result = train(TrainConfig(**train_kw))
+    record = {"losses": result.losses, "grad_norms": result.grad_norms, "exact": exact,
+              "seconds": {"exact": t1 - t0, "train": time.monotonic() - t1}}
+    if rank == 0:
+        Path(out).write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _model(family: str, folder: str) -> nn.Module:
+    from boost_compiler.train import TrainConfig
+    from boost_compiler.train.setup import build_model
+
+    if family == "cola":
+        return build_model(TrainConfig(model_overrides={"n_layers": 3}))
+    import transformers as tf
+
+    path = Path(folder).with_suffix(".hf")
+    if dist.get_rank() == 0:
+        config = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                num_attention_heads=4, vocab_size=256)  # fmt: skip
+        config.save_pretrained(path)
+    dist.barrier()
+    return build_model(TrainConfig(hf_config=str(path), seq=16))
+
+
+def per_block_vs_root(family: str, folder: str) -> dict[str, Any]:
+    """fp32 steps of the same model under both wrappings: (bitwise equal, per-block seen)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from boost_compiler.train import fsdp
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    runs = {}
+    for how in ("root", "block"):
+        model = _model(family, folder)
+        last = fsdp.blocks(model)[-1]
+        seen: list[bool] = []
+        # Runs after FSDP2's own pre-forward hook (it prepends): is the last block sharded?
+        fsdp.blocks(model)[0].register_forward_pre_hook(
+            lambda *_: seen.append(isinstance(next(last.parameters()), torch.distributed.tensor.DTensor)))  # fmt: skip
+        if how == "root":
+            fully_shard(model, mesh=mesh["dp"])
+        else:
+            fsdp.shard(model, mesh["dp"])
+        runs[how] = (_steps(model, family), seen)
+    (losses_r, params_r), seen_r = runs["root"]
+    (losses_b, params_b), seen_b = runs["block"]
+    same = losses_r == losses_b and all(torch.equal(params_r[k], params_b[k]) for k in params_r)
+    return {"bitwise": same, "losses": losses_b, "sharded_last_block": [seen_r[0], seen_b[0]],
+            "units": sum(isinstance(b, torch.distributed.fsdp.FSDPModule)
+                         for b in fsdp.blocks(model))}  # fmt: skip
+
+
+def _steps(model: nn.Module, family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(dist.get_rank())  # disjoint rows per dp rank
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 256, (2, 16), generator=gen)
+        out = model(ids, labels=ids)
+        loss = out if family == "cola" else out.loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.full_tensor() for k, v in model.state_dict().items()}
