@@ -43,8 +43,12 @@ def rank_main(
     exact = {family: per_block_vs_root(family, out) for family in families}
     t1 = time.monotonic()
     result = train(TrainConfig(**train_kw))
-    record = {"losses": result.losses, "grad_norms": result.grad_norms, "exact": exact,
-              "seconds": {"exact": t1 - t0, "train": time.monotonic() - t1}}
+    record = {
+        "losses": result.losses,
+        "grad_norms": result.grad_norms,
+        "exact": exact,
+        "seconds": {"exact": t1 - t0, "train": time.monotonic() - t1},
+    }
     if rank == 0:
         Path(out).write_text(json.dumps(record))
     dist.barrier()
@@ -81,11 +85,9 @@ def per_block_vs_root(family: str, folder: str) -> dict[str, Any]:
     runs = {}
     for how in ("root", "block"):
         model = _model(family, folder)
-        last = fsdp.blocks(model)[-1]
         seen: list[bool] = []
         # Runs after FSDP2's own pre-forward hook (it prepends): is the last block sharded?
-        fsdp.blocks(model)[0].register_forward_pre_hook(
-            lambda *_: seen.append(isinstance(next(last.parameters()), torch.distributed.tensor.DTensor)))  # fmt: skip
+        fsdp.blocks(model)[0].register_forward_pre_hook(_last_block_sharded(model, seen))
         if how == "root":
             fully_shard(model, mesh=mesh["dp"])
         else:
@@ -97,6 +99,23 @@ def per_block_vs_root(family: str, folder: str) -> dict[str, Any]:
     return {"bitwise": same, "losses": losses_b, "sharded_last_block": [seen_r[0], seen_b[0]],
             "units": sum(isinstance(b, torch.distributed.fsdp.FSDPModule)
                          for b in fsdp.blocks(model))}  # fmt: skip
+
+
+def _last_block_sharded(model: nn.Module, seen: list[bool]) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    last = fsdp_blocks(model)[-1]
+
+    def hook(*_: Any) -> None:
+        seen.append(isinstance(next(last.parameters()), DTensor))
+
+    return hook
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    from boost_compiler.train.fsdp import blocks
+
+    return blocks(model)
 
 
 def _steps(model: nn.Module, family: str) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +25,8 @@ RUN = dict(steps=6, batch=4, seq=32, warmup=2, clip=0.5, compile=False, progress
            log_every=100)  # fmt: skip
 TIMEOUT = 900
 _CTX = multiprocessing.get_context("forkserver")
+# Ranks fork from a server that imported torch and the trainer once (as tests/test_train.py's).
+_CTX.set_forkserver_preload(["torch", "boost_compiler.train.loop", "tests.mixed_precision_probe"])
 
 
 def _free_port() -> int:
@@ -61,8 +62,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         logs = "\n".join(f"--- {f.name}:\n{f.read_text()[-3000:]}" for f in tmp.glob("*.log"))
         raise AssertionError(f"exit codes {[p.exitcode for p in procs]}:\n{logs}")
     record = json.loads(out.read_text())
-    print(f"4-rank world and references: {time.monotonic() - t0:.1f} s; on rank 0:",
-          {k: round(v, 1) for k, v in record["seconds"].items()})
+    print(
+        f"4-rank world and references: {time.monotonic() - t0:.1f} s; on rank 0:",
+        {k: round(v, 1) for k, v in record["seconds"].items()},
+    )
     for key in ("losses", "grad_norms"):
         record[key] = {int(s): v for s, v in record[key].items()}
     return {"world": record, "single": single}

@@ -5,7 +5,8 @@ causal LM: ``pipeline_hf``) is cut by layer into ``pp`` stages (stage 0:
 embedding + its layers; the last: its layers + final norm + LM head + loss); each
 stage module is parallelized on its own with
 ``parallelize(stage, mesh["tp"], <that stage's micro-batch inputs>)`` and, at
-``dp > 1``, wrapped by ``fully_shard`` over ``mesh["dp"]``. Scheduling is torch's
+``dp > 1``, wrapped by ``fully_shard`` over ``mesh["dp"]`` (per block, then the stage,
+at tp = 1: ``fsdp.py``). Scheduling is torch's
 (``PipelineStage`` with ``Schedule1F1B``; ``ScheduleGPipe``, ``ScheduleInterleaved1F1B`` and
 ``ScheduleInterleavedZeroBubble`` on request, the last two with ``v`` virtual stages per
 rank placed round-robin).

@@ -3,7 +3,7 @@
 :func:`setup` builds a run's :class:`Run`: the mesh, the data, the model
 (:func:`build_model`), then the steps a layout asks for, each one function that both
 ``(dp, tp)`` runs and pipelined ``(pp, dp, tp)`` runs call: :func:`apply_btp`
-(``parallelize`` over ``tp``), :func:`apply_fsdp` (FSDP2 over ``dp``),
+(``parallelize`` over ``tp``), :func:`apply_fsdp` (FSDP2 over ``dp``, per block: ``fsdp.py``),
 :func:`apply_compile` (``torch.compile(backend="boost")``), and
 :func:`make_optimizer`. Invariant: one device choice (:func:`pick_device`) and one
 optimizer for both, so a pipelined run trains what the same run without ``pp`` does.
