@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import socket
 import time
 from typing import Any
@@ -48,9 +47,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp / "world.json"
     port, t0 = _free_port(), time.monotonic()
     kw = {**RUN, "tp": 2, "dp": 2, "mixed_precision": "bf16"}
-    # The transformers model's exactness check only with BOOST_FULL_TESTS=1: seconds more.
-    families = ("cola", "hf") if os.environ.get("BOOST_FULL_TESTS") == "1" else ("cola",)
-    args = (port, str(out), kw, families)
+    args = (port, str(out), kw, ("cola", "hf"))
     procs = [_CTX.Process(target=rank_main, args=(r, 4, *args)) for r in range(4)]
     for p in procs:
         p.start()

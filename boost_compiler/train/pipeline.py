@@ -430,9 +430,9 @@ def build_pipeline(
         example = _stage_examples(spec, d_model, mb, seq, dtype, device, masks, tp)
         module = _build_stage(model, spec, mesh, hf, example, options, compile)
         if dp > 1 and fsdp:  # per block, then the stage
-            from .fsdp import shard
+            from . import fsdp as fsdp_units
 
-            shard(module, mesh["dp"])
+            fsdp_units.shard(module, mesh["dp"])
         inputs = example[0] if spec.first else (act(),)
         output = torch.empty((), dtype=torch.float32, device=device) if spec.last else act()
         stages.append(PipelineStage(
