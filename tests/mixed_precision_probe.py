@@ -42,10 +42,12 @@ def rank_main(
     t0 = time.monotonic()
     exact = {family: per_block_vs_root(family, out) for family in families}
     t1 = time.monotonic()
-    result = train(TrainConfig(**train_kw))
+    with CountBytes() as moved:
+        result = train(TrainConfig(**train_kw))
     record = {
         "losses": result.losses,
         "grad_norms": result.grad_norms,
+        "dp_bytes_moved": moved.bytes / train_kw["steps"],
         "exact": exact,
         "seconds": {"exact": t1 - t0, "train": time.monotonic() - t1},
     }
@@ -92,13 +94,42 @@ def per_block_vs_root(family: str, folder: str) -> dict[str, Any]:
             fully_shard(model, mesh=mesh["dp"])
         else:
             fsdp.shard(model, mesh["dp"])
-        runs[how] = (_steps(model, family), seen)
+        with CountBytes() as moved:
+            runs[how] = (_steps(model, family), seen)
     (losses_r, params_r), seen_r = runs["root"]
     (losses_b, params_b), seen_b = runs["block"]
     same = losses_r == losses_b and all(torch.equal(params_r[k], params_b[k]) for k in params_r)
     return {"bitwise": same, "losses": losses_b, "sharded_last_block": [seen_r[0], seen_b[0]],
+            "dp_bytes": [moved.bytes / STEPS, fsdp.dp_bytes([model], 4, True, "none")],
             "units": sum(isinstance(b, torch.distributed.fsdp.FSDPModule)
                          for b in fsdp.blocks(model))}  # fmt: skip
+
+
+class CountBytes:
+    """FSDP2's all-gather outputs and reduce-scatter inputs, in bytes, while inside."""
+
+    def __enter__(self) -> CountBytes:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as coll
+
+        self.bytes = 0
+        self.saved = [(cls, cls.__call__) for cls in (coll.DefaultAllGather,
+                                                      coll.DefaultReduceScatter)]  # fmt: skip
+        for cls, call in self.saved:
+            cls.__call__ = self._counting(call, gather=cls is coll.DefaultAllGather)
+        return self
+
+    def _counting(self, call: Any, gather: bool) -> Any:
+        def counted(this: Any, *a: Any, **k: Any) -> Any:
+            names = dict(zip(("output_tensor", "input_tensor"), a, strict=False)) | k
+            full = names["output_tensor" if gather else "input_tensor"]
+            self.bytes += full.numel() * full.element_size()
+            return call(this, *a, **k)
+
+        return counted
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, call in self.saved:
+            cls.__call__ = call
 
 
 def _last_block_sharded(model: nn.Module, seen: list[bool]) -> Any:

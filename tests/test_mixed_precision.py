@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from boost_compiler.errors import TrainConfigError
-from boost_compiler.train import TrainConfig, train
+from boost_compiler.train import TrainConfig, read_metrics, train
 from boost_compiler.train.config import add_arguments, from_args
 
 RUN = dict(steps=6, batch=4, seq=32, warmup=2, clip=0.5, compile=False, progress=False,
@@ -46,7 +46,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("mixedprec")
     out = tmp / "world.json"
     port, t0 = _free_port(), time.monotonic()
-    kw = {**RUN, "tp": 2, "dp": 2, "mixed_precision": "bf16"}
+    metrics = tmp / "metrics.jsonl"
+    kw = {**RUN, "tp": 2, "dp": 2, "mixed_precision": "bf16", "metrics": str(metrics)}
     args = (port, str(out), kw, ("cola", "hf"))
     procs = [_CTX.Process(target=rank_main, args=(r, 4, *args)) for r in range(4)]
     for p in procs:
@@ -65,7 +66,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     for key in ("losses", "grad_norms"):
         record[key] = {int(s): v for s, v in record[key].items()}
-    return {"world": record, "single": single}
+    return {"world": record, "single": single, "metrics": metrics}
 
 
 def test_tp2_dp2_matches_one_device_within_bf16_drift(world: dict[str, Any]) -> None:
@@ -100,6 +101,17 @@ def test_per_block_fsdp_is_exact_in_fp32(world: dict[str, Any]) -> None:
         assert got["bitwise"], family
         assert got["units"] == 3, family
         assert got["sharded_last_block"] == [False, True], family
+
+
+def test_dp_bytes_metric_is_what_fsdp_moves(world: dict[str, Any]) -> None:
+    """The metrics' ``dp_collective_bytes`` against the bytes FSDP2's all-gathers and
+    reduce-scatters moved, per step: per block in fp32 (a block regathered for its
+    backward), and at the root in mixed precision (bf16 gathers, fp32 reductions)."""
+    for family, got in world["world"]["exact"].items():
+        moved, said = got["dp_bytes"]
+        assert moved == said, family
+    said = read_metrics(world["metrics"])[0]["dp_collective_bytes"]
+    assert world["world"]["dp_bytes_moved"] == said
 
 
 def _one_device_step(**kw: Any) -> Any:

@@ -76,3 +76,31 @@ def shard(module: nn.Module, dp_mesh: Any, mixed_precision: str = "none") -> Non
     fully_shard(module, mesh=dp_mesh, mp_policy=policy)
     for model in parallel if mixed_precision == "bf16" else ():
         set_compute_dtype(model, torch.bfloat16)
+
+
+def dp_bytes(modules: list[nn.Module], dp: int, fsdp: bool, mixed_precision: str) -> int:
+    """FSDP2's payload bytes per step over dp (0 at dp = 1; ``--no-fsdp``: one all-reduce).
+
+    Each parameter is all-gathered for the forward, again for the backward when its unit
+    reshards after the forward (every block but the last), and its gradient
+    reduce-scattered; gathers move ``param_dtype``, reductions ``reduce_dtype``.
+    """
+    params = [p for m in modules for p in m.parameters()]
+    if dp == 1:
+        return 0
+    stored = sum(p.numel() * p.element_size() for p in params)
+    if not fsdp:
+        return stored
+    numel = sum(p.numel() for p in params)
+    again = sum(p.numel() for m in modules for b in _resharded(m) for p in b.parameters())
+    if mixed_precision == "bf16":
+        return (numel + again) * 2 + numel * 4
+    return stored * 2 + again * params[0].element_size()
+
+
+def _resharded(module: nn.Module) -> list[nn.Module]:
+    """The blocks ``shard`` made units that reshard after the forward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [b for b in blocks(module) if isinstance(b, FSDPModule)]
+    return units[:-1]

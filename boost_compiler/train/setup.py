@@ -158,11 +158,6 @@ def apply_compile(model: nn.Module, cfg: TrainConfig, fsdp: bool) -> Any:
     return forward
 
 
-def _dp_bytes(layout: ckpt.Layout, dp: int, fsdp: bool) -> int:
-    block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
-    return 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
-
-
 def setup(cfg: TrainConfig) -> Run:
     """Mesh, data, model (parallelized, sharded), optimizer: everything before step 0."""
     world = dist.get_world_size()
@@ -190,7 +185,8 @@ def setup(cfg: TrainConfig) -> Run:
     slots, opt = make_optimizer(layout, cfg, tp)
     forward = apply_compile(model, cfg, fsdp)
     return Run(cfg, dp, tp, mesh, device, corpus, model, forward, opt, layout, slots, fsdp,
-               plan_bytes(model), _dp_bytes(layout, dp, fsdp), held_out=open_eval(cfg))  # fmt: skip
+               plan_bytes(model), fsdp_units.dp_bytes([model], dp, fsdp, cfg.mixed_precision),
+               held_out=open_eval(cfg))  # fmt: skip
 
 
 def setup_pipeline_run(cfg: TrainConfig) -> Run:
@@ -228,7 +224,8 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     norm_group = comm.group_over(mesh, ("pp", "dp"), timeout) if fsdp else mesh["pp"].get_group()
     return Run(cfg, dp, tp, mesh, device, load_corpus(cfg.data), stage, None, opt,
                layout, slots, fsdp, sum(plan_bytes(s) for s in stages),
-               _dp_bytes(layout, dp, fsdp), pipe, norm_group)  # fmt: skip
+               fsdp_units.dp_bytes(stages, dp, fsdp, cfg.mixed_precision), pipe,
+               norm_group)  # fmt: skip
 
 
 def _stages_layout(stages: list[nn.Module], tp_mesh: Any) -> ckpt.Layout:
