@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,3 +165,18 @@ def test_flags_and_refusals() -> None:
             cfg.validate()
     with pytest.raises(TrainConfigError, match="one of none, bf16"):
         TrainConfig(mixed_precision="fp16").validate()
+
+
+def test_checkpoint_resumes_a_mixed_precision_run(tmp_path: Path) -> None:
+    """The fp32 master weights and moments are what a checkpoint holds (FSDP2 on the
+    one-rank dp mesh at one device): resumed at step 2, steps 2 and 3 are the same bits."""
+    import shutil
+
+    from tests.tiny_runs import tiny_config, trained_run
+
+    whole = read_metrics(trained_run(tmp_path / "a", mixed_precision="bf16") / "metrics.jsonl")
+    (tmp_path / "b" / "ckpt").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "ckpt" / "step_2", tmp_path / "b" / "ckpt" / "step_2")
+    resumed = train(tiny_config(tmp_path / "b", mixed_precision="bf16", resume=True))
+    assert resumed.start_step == 2
+    assert {s: resumed.losses[s] for s in (2, 3)} == {s: whole[s]["loss"] for s in (2, 3)}
