@@ -6,6 +6,8 @@
    for a CoLA-LLaMA and a transformers Llama: the losses and the final parameters must be
    the same bits; and while the first block computes, the last one is still sharded
    (gathered per block), which under root-only wrapping it is not.
+3. The bytes FSDP2's all-gathers and reduce-scatters moved, per step, in both, for the
+   metrics' ``dp_collective_bytes`` (``train.fsdp.dp_bytes``).
 """
 
 from __future__ import annotations
