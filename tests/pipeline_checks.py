@@ -178,7 +178,15 @@ def pipelined_step(
         "compiled_graphs": _inductor_compiles() - compiles_before,
         "tp_rank": mesh3["tp"].get_local_rank(),
         "dp_rank": dp_rank,
+        "fsdp_units": _fsdp_units(pipe.modules),
     }
+
+
+def _fsdp_units(modules: Any) -> int:
+    """FSDP2 units on this rank's stages: one per block at tp = 1, plus each stage."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return sum(isinstance(m, FSDPModule) for mod in modules for m in mod.modules())
 
 
 TRAIN = {"steps": 3, "batch": 4, "seq": 32, "warmup": 1, "clip": 0.5, "log_every": 100}

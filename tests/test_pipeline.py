@@ -49,6 +49,8 @@ def four() -> dict:
     checks.append(("pp2dp1tp2/zero-bubble", FN, (2, 1, 2, 4), {"schedule": "zero-bubble"}))
     if FULL:
         checks.append(("pp2dp2tp1", FN, (2, 2, 1, 2), {"batch": 8}))
+        if HAS_HF:
+            checks.append(("hf/pp2dp2tp1", FN, (2, 2, 1, 2), {"batch": 8, "model": "hf"}))
         checks.append(("pp2dp1tp2/interleaved-compiled", FN, (2, 1, 2, 4),
                        {"schedule": "interleaved-1f1b", "compile": True}))  # fmt: skip
     return run_world(4, checks)
@@ -464,8 +466,15 @@ def test_every_accepted_family_is_checked_at_tp2() -> None:
 
 
 @pytest.mark.skipif(not FULL, reason=FULL_REASON)
-def test_pp2_dp2_is_exact(four: dict) -> None:
-    _check_exact(result_of(four, "pp2dp2tp1"), 2, 2, 1, 2, batch=8)
+@pytest.mark.parametrize("model", ["cola", "hf"])
+def test_pp2_dp2_is_exact(four: dict, model: str) -> None:
+    """FSDP2 over dp shards each stage per block (tp = 1): one unit per layer, and the
+    stage; still exact (issue 42)."""
+    if model == "hf" and not HAS_HF:
+        pytest.skip("needs transformers")
+    res = result_of(four, "pp2dp2tp1" if model == "cola" else "hf/pp2dp2tp1")
+    _check_exact(res, 2, 2, 1, 2, batch=8, model=model)
+    assert {r["fsdp_units"] for r in res["ranks"]} == {2 + 1}  # 2 layers per stage
 
 
 @pytest.mark.skipif(not FULL, reason=FULL_REASON)

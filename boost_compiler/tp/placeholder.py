@@ -141,13 +141,16 @@ def _user_line() -> str:
     return "an unknown line"
 
 
-def make_placeholder(info: ShadowParam, like: torch.Tensor, shape: torch.Size) -> nn.Parameter:
-    """A global-``shape`` :class:`Placeholder` with ``like``'s dtype, device and ``requires_grad``.
+def make_placeholder(
+    info: ShadowParam, like: torch.Tensor, shape: torch.Size, dtype: torch.dtype | None = None
+) -> nn.Parameter:
+    """A global-``shape`` :class:`Placeholder` with ``like``'s dtype (or ``dtype``), device
+    and ``requires_grad``.
 
     Stride 0, so it holds one element whatever its shape; NaN, so that even a
     computation that slipped past the override could not produce numbers.
     """
-    nan = torch.full((), float("nan"), dtype=like.dtype, device=like.device)
+    nan = torch.full((), float("nan"), dtype=dtype or like.dtype, device=like.device)
     placeholder = Placeholder(nan.expand(shape), like.requires_grad)
     setattr(placeholder, ATTR, info)
     return placeholder  # type: ignore[return-value]  # an nn.Parameter by _is_param

@@ -90,6 +90,9 @@ class ParallelState:
     pairs: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
     # Inside a mirrored method call, whose outermost frame brings the shadow into step.
     busy: bool = False
+    # The dtype the floating placeholders trace in when it is not the shards' own: FSDP2's
+    # MixedPrecisionPolicy keeps fp32 shards and hands the forward bf16 (set_compute_dtype).
+    compute_dtype: torch.dtype | None = None
 
 
 def parallel_state(model: nn.Module) -> ParallelState | None:
@@ -171,13 +174,31 @@ def follow(state: ParallelState) -> None:
             if info is None:
                 continue
             local = current_local(ph)
+            dtype = local.dtype
+            if state.compute_dtype is not None and local.is_floating_point():
+                dtype = state.compute_dtype
             if (ph.device, ph.dtype, ph.requires_grad) == (
-                local.device, local.dtype, local.requires_grad,
+                local.device, dtype, local.requires_grad,
             ):  # fmt: skip
                 continue
             if id(ph) not in moved:
-                moved[id(ph)] = make_placeholder(info, local, ph.shape)
+                moved[id(ph)] = make_placeholder(info, local, ph.shape, dtype)
             smod._parameters[pname] = moved[id(ph)]
+
+
+def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
+    """Trace the shadow's floating placeholders in ``dtype`` whatever the shards' dtype.
+
+    For a wrapper that computes in another dtype than it stores: FSDP2 with
+    ``MixedPrecisionPolicy(param_dtype=bf16)`` keeps fp32 shards on the model and puts
+    bf16 all-gathered ones there for each forward, which the graph must have been traced
+    for (dynamo traces the placeholders). ``None``: the shards' own dtype again.
+    """
+    state = parallel_state(model)
+    if state is None:
+        raise TypeError(f"{type(model).__name__} was not parallelized")
+    state.compute_dtype = dtype
+    follow(state)
 
 
 def _refuse_copy(*args: Any) -> Any:

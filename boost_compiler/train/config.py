@@ -90,7 +90,10 @@ class TrainConfig:
     plot: str | None = None  # loss-curve PNG; default: next to the metrics / checkpoints
     tensorboard: bool = False  # scalars under <run folder>/tensorboard (the tensorboard extra)
     peak_tflops: float | None = None  # per device, for MFU; None: known GPUs' datasheet peak
-    bf16: bool = False
+    bf16: bool = False  # pure bf16: the model itself is cast (no fp32 master weights)
+    # "bf16": FSDP2's MixedPrecisionPolicy (fp32 master weights and AdamW moments, bf16
+    # compute, fp32 gradient reduction); "none": every number fp32 (or --bf16's).
+    mixed_precision: str = "none"
     compile: bool = True  # torch.compile(backend="boost"); False: eager (still BTP)
     fsdp: bool = True  # dp > 1: FSDP2 across dp; False: gradient all-reduce
     progress: bool = True
@@ -141,6 +144,33 @@ class TrainConfig:
                 "--resume, --resume-or-start and --save-every need --checkpoint-dir"
             )
         self._validate_data()
+        self._validate_precision()
+
+    def _validate_precision(self) -> None:
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise TrainConfigError(
+                f"--mixed-precision must be one of {', '.join(MIXED_PRECISIONS)}, "
+                f"not {self.mixed_precision!r}"
+            )
+        if self.mixed_precision == "none":
+            return
+        if self.bf16:
+            raise TrainConfigError(
+                "--bf16 casts the model to bf16 (no fp32 master weights), --mixed-precision "
+                "bf16 keeps fp32 master weights and computes in bf16: give one of them"
+            )
+        if not self.fsdp:
+            raise TrainConfigError(
+                "--mixed-precision bf16 is FSDP2's MixedPrecisionPolicy (fp32 master weights, "
+                "bf16 compute, fp32 gradient reduction): drop --no-fsdp"
+            )
+        if self.pp > 1:
+            # The stages' boundary activations would arrive in bf16, which the pipeline's
+            # send/receive buffers (the parameters' dtype) do not yet follow.
+            raise TrainConfigError(
+                "--mixed-precision bf16 with --pp > 1 is not supported yet: use --pp 1, or "
+                "--bf16 (pure bf16)"
+            )
 
     def stages_per_rank(self) -> int:
         """Pipeline stages each pp rank runs: ``--virtual-stages``, else 2 for the
@@ -271,6 +301,7 @@ class TrainConfig:
 
 
 NONFINITE_ACTIONS = ("stop", "skip")
+MIXED_PRECISIONS = ("none", "bf16")
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 _ALIASES = {"model_name": "model", "max_grad_norm": "clip", "no_compile": "compile"}
 
@@ -392,7 +423,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=s, metavar="X",
                    help="peak TFLOP/s per device for the MFU estimate (default: known GPUs' "
                    "dense datasheet figure for the run's dtype; none on CPU)")  # fmt: skip
-    p.add_argument("--bf16", action="store_true", default=s, help="bf16 parameters and compute")
+    p.add_argument("--bf16", action="store_true", default=s,
+                   help="pure bf16: the model cast to bf16, no fp32 master weights, AdamW "
+                   "moments and gradient reduction in bf16")  # fmt: skip
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default=s,
+                   help="bf16: fp32 master weights and AdamW moments, bf16 compute, fp32 "
+                   "gradient reduction (FSDP2's MixedPrecisionPolicy, applied also at dp 1); "
+                   "not with --bf16, --no-fsdp or --pp > 1 (none)")  # fmt: skip
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=s,
                    help="torch.compile(backend='boost') (default) or eager (--no-compile)")  # fmt: skip
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=s,

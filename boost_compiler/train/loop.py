@@ -6,9 +6,11 @@ local TP blocks; ``fully_shard(model, mesh=mesh["dp"])`` then shards those block
 over dp. Why this order works: the parallelized forward looks each parameter up on
 its owning module at every call (``tp.shadow.current_local``), and FSDP2's root
 pre-forward hook puts the all-gathered (unsharded) block there; its post-backward
-reduce-scatters (averages) the gradients over dp. Only the root module is wrapped:
-the forward runs a shadow copy of the module tree, so hooks on inner modules would
-never fire. ``--no-fsdp`` replaces FSDP2 by a plain gradient all-reduce over dp.
+reduce-scatters (averages) the gradients over dp. At tp > 1 only the root module is
+wrapped: the forward runs a shadow copy of the module tree, so hooks on inner modules
+would never fire; at tp = 1 each decoder block is wrapped, then the root (``fsdp.py``).
+``--no-fsdp`` replaces FSDP2 by a plain gradient all-reduce over dp;
+``--mixed-precision bf16`` is FSDP2's ``MixedPrecisionPolicy`` (``fsdp.py``).
 
 The same global batch is split over dp (disjoint rows), identical within a tp
 group, so the loss of step N is the same number at every (dp, tp) layout up to

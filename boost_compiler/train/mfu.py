@@ -212,5 +212,6 @@ def for_run(run: Any) -> MFUMeter:
         log.warning("the model names no layer count / heads: MFU leaves out the attention core")
         dims = (0, 0)
     flops = flops_per_token(params, dims[0], dims[1], cfg.seq)
-    peak = resolve_peak(cfg.peak_tflops, run.device, cfg.bf16)
+    # --mixed-precision bf16 computes its GEMMs in bf16 as --bf16 does: the same peak.
+    peak = resolve_peak(cfg.peak_tflops, run.device, cfg.bf16 or cfg.mixed_precision == "bf16")
     return MFUMeter(flops, dist.get_world_size(), peak)

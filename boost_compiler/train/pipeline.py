@@ -5,7 +5,8 @@ causal LM: ``pipeline_hf``) is cut by layer into ``pp`` stages (stage 0:
 embedding + its layers; the last: its layers + final norm + LM head + loss); each
 stage module is parallelized on its own with
 ``parallelize(stage, mesh["tp"], <that stage's micro-batch inputs>)`` and, at
-``dp > 1``, wrapped by ``fully_shard`` over ``mesh["dp"]``. Scheduling is torch's
+``dp > 1``, wrapped by ``fully_shard`` over ``mesh["dp"]`` (per block, then the stage,
+at tp = 1: ``fsdp.py``). Scheduling is torch's
 (``PipelineStage`` with ``Schedule1F1B``; ``ScheduleGPipe``, ``ScheduleInterleaved1F1B`` and
 ``ScheduleInterleavedZeroBubble`` on request, the last two with ``v`` virtual stages per
 rank placed round-robin).
@@ -428,10 +429,10 @@ def build_pipeline(
     for spec in specs:
         example = _stage_examples(spec, d_model, mb, seq, dtype, device, masks, tp)
         module = _build_stage(model, spec, mesh, hf, example, options, compile)
-        if dp > 1 and fsdp:
-            from torch.distributed.fsdp import fully_shard
+        if dp > 1 and fsdp:  # per block, then the stage
+            from . import fsdp as fsdp_units
 
-            fully_shard(module, mesh=mesh["dp"])
+            fsdp_units.shard(module, mesh["dp"])
         inputs = example[0] if spec.first else (act(),)
         output = torch.empty((), dtype=torch.float32, device=device) if spec.last else act()
         stages.append(PipelineStage(

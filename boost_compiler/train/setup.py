@@ -3,7 +3,7 @@
 :func:`setup` builds a run's :class:`Run`: the mesh, the data, the model
 (:func:`build_model`), then the steps a layout asks for, each one function that both
 ``(dp, tp)`` runs and pipelined ``(pp, dp, tp)`` runs call: :func:`apply_btp`
-(``parallelize`` over ``tp``), :func:`apply_fsdp` (FSDP2 over ``dp``),
+(``parallelize`` over ``tp``), :func:`apply_fsdp` (FSDP2 over ``dp``, per block: ``fsdp.py``),
 :func:`apply_compile` (``torch.compile(backend="boost")``), and
 :func:`make_optimizer`. Invariant: one device choice (:func:`pick_device`) and one
 optimizer for both, so a pipelined run trains what the same run without ``pp`` does.
@@ -24,6 +24,7 @@ from ..errors import VocabSizeError
 from ..tp.shadow import parallel_state
 from . import checkpoint as ckpt
 from . import comm, hf_model
+from . import fsdp as fsdp_units
 from .clip import GradSlot
 from .config import TrainConfig, TrainConfigError
 from .data import DataSource, load_corpus, model_vocab, open_data, open_eval
@@ -125,11 +126,22 @@ def apply_btp(model: nn.Module, cfg: TrainConfig, tp_mesh: Any, example: torch.T
         boost_compiler.parallelize(model, tp_mesh, (example,), kwargs)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: Any) -> None:
-    """FSDP2 over ``dp``: the root module only (the forward runs the shadow's tree)."""
-    from torch.distributed.fsdp import fully_shard
+def apply_fsdp(model: nn.Module, dp_mesh: Any, cfg: TrainConfig) -> None:
+    """FSDP2 over ``dp``: per block, then the root, in ``--mixed-precision`` (:mod:`.fsdp`)."""
+    fsdp_units.shard(model, dp_mesh, cfg.mixed_precision)
 
-    fully_shard(model, mesh=dp_mesh)
+
+def uses_fsdp(cfg: TrainConfig, dp: int) -> bool:
+    """Whether FSDP2 wraps the model: at dp > 1 unless ``--no-fsdp``, and always under
+    ``--mixed-precision``.
+
+    At dp = 1 torchtitan gets bf16 compute from ``torch.autocast`` instead (and none at
+    all with TP or PP only). Here FSDP2 on the one-rank dp mesh gives it: the same
+    ``MixedPrecisionPolicy`` then computes every layout's step (the model's own ops in
+    bf16, gradients reduced in fp32), so a run's losses agree across (dp, tp) layouts
+    up to rounding, as in fp32; autocast would keep some ops fp32 at dp = 1 only.
+    """
+    return (dp > 1 and cfg.fsdp) or cfg.mixed_precision != "none"
 
 
 def apply_compile(model: nn.Module, cfg: TrainConfig, fsdp: bool) -> Any:
@@ -144,11 +156,6 @@ def apply_compile(model: nn.Module, cfg: TrainConfig, fsdp: bool) -> Any:
     if hf_model.is_hf(cfg):  # HF returns an output object: the loop and validation want its loss
         forward = hf_model.LossForward(forward)
     return forward
-
-
-def _dp_bytes(layout: ckpt.Layout, dp: int, fsdp: bool) -> int:
-    block_bytes = sum(e.param.numel() * e.param.element_size() for e in layout.entries)
-    return 0 if dp == 1 else block_bytes * (2 if fsdp else 1)
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -171,14 +178,15 @@ def setup(cfg: TrainConfig) -> Run:
     if cfg.bf16:
         model = model.to(torch.bfloat16)
     apply_btp(model, cfg, mesh["tp"], corpus.example().to(device))
-    fsdp = dp > 1 and cfg.fsdp
+    fsdp = uses_fsdp(cfg, dp)
     if fsdp:
-        apply_fsdp(model, mesh["dp"])
+        apply_fsdp(model, mesh["dp"], cfg)
     layout = ckpt.model_layout(model, mesh["tp"] if tp > 1 else None)
     slots, opt = make_optimizer(layout, cfg, tp)
     forward = apply_compile(model, cfg, fsdp)
     return Run(cfg, dp, tp, mesh, device, corpus, model, forward, opt, layout, slots, fsdp,
-               plan_bytes(model), _dp_bytes(layout, dp, fsdp), held_out=open_eval(cfg))  # fmt: skip
+               plan_bytes(model), fsdp_units.dp_bytes([model], dp, fsdp, cfg.mixed_precision),
+               held_out=open_eval(cfg))  # fmt: skip
 
 
 def setup_pipeline_run(cfg: TrainConfig) -> Run:
@@ -202,7 +210,7 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     if cfg.bf16:
         model = model.to(torch.bfloat16)
     model_keys = list(model.state_dict().keys())  # before the split: every stage's names
-    fsdp = dp > 1 and cfg.fsdp
+    fsdp = uses_fsdp(cfg, dp)
     pipe = build_pipeline(
         model, mesh, cfg.batch // dp, cfg.seq, cfg.micro_batches(dp), fsdp=fsdp,
         layer_counts=cfg.pp_layers, compile=cfg.compile, schedule=cfg.schedule,
@@ -216,7 +224,8 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     norm_group = comm.group_over(mesh, ("pp", "dp"), timeout) if fsdp else mesh["pp"].get_group()
     return Run(cfg, dp, tp, mesh, device, load_corpus(cfg.data), stage, None, opt,
                layout, slots, fsdp, sum(plan_bytes(s) for s in stages),
-               _dp_bytes(layout, dp, fsdp), pipe, norm_group)  # fmt: skip
+               fsdp_units.dp_bytes(stages, dp, fsdp, cfg.mixed_precision), pipe,
+               norm_group)  # fmt: skip
 
 
 def _stages_layout(stages: list[nn.Module], tp_mesh: Any) -> ckpt.Layout:
