@@ -58,10 +58,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 # The compat tier's smoke set (bash dev.sh compat [test ids] runs others instead).
+# backend + Inductor lowering, passes on one process, capture of a checkpointed HF model
+# with kernels, compiled tp=2 (every default pass, post-grad waits), Inductor's private
+# collective config (symm_mem), and pp=2 -> FSDP2 dp=2 x tp=2 -> one process through DCP.
 COMPAT_SMOKE=(
   tests/test_backend.py
   tests/test_passes.py
   tests/test_regions.py::test_checkpointed_hf_model_with_kernels_is_captured
+  tests/test_poll_waits.py
+  tests/test_symm_mem.py
+  tests/test_pipeline_resume.py::test_checkpoint_of_a_pipeline_holds_one_model
+  tests/test_pipeline_resume.py::test_resume_across_layouts_matches_one_process
 )
 
 cmd=${1:-}
