@@ -47,3 +47,20 @@ def drawings_expected() -> bool:
     from boost_compiler.explain.draw import dot_available
 
     return REQUIRED or dot_available()
+
+
+def need_kernels() -> ModuleType:
+    """The ``kernels`` package, whose ``use_kernelized_func`` wrapper puts a side effect
+    (a ContextVar set) into HF forwards when installed. transformers 5.25 depends on it,
+    so with ``BOOST_REQUIRE_EXTRAS=1`` and transformers >= 5.25 (the compat tier,
+    ``bash dev.sh compat``) a missing one fails; with 5.24 it is optional and skips."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    tf = Version(version("transformers"))
+    if REQUIRED and tf >= Version("5.25"):
+        return importlib.import_module("kernels")
+    return pytest.importorskip(
+        "kernels", reason=f"the kernels package is not installed (optional with transformers {tf})"
+    )

@@ -70,6 +70,9 @@ def hf_gradient_checkpointing(*, world: int, mesh: Any) -> dict[str, Any]:
         model, (ids,) = make_hf(seed=0, family="llama")
         if checkpointed:
             model.gradient_checkpointing_enable()
+            # Modules wrapped by the `kernels` package's use_kernelized_func (when installed):
+            # each sets a ContextVar in its forward, inside the checkpoint region.
+            out["kernelized"] = sum("_kernel_funcs" in m.__dict__ for m in model.modules())
         model.train()
         ref = copy.deepcopy(model)
         kwargs = {"labels": ids, "use_cache": False}

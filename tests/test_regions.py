@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tests.extras import need, need_kernels
 from tests.tp_harness import RTOL, run_world
 
 CHECKS = [
@@ -29,6 +31,36 @@ def test_hf_gradient_checkpointing_is_parallelized_exactly(two: dict) -> None:
         assert r["fallbacks"] == [], res
     assert ck["bottlenecks"] == plain["bottlenecks"] == 14, res  # 7 per layer, 2 layers
     assert ck["forward_collectives"] == plain["forward_collectives"] > 0, res
+
+
+def test_hf_gradient_checkpointing_with_kernels_is_parallelized(two: dict) -> None:
+    """With ``kernels`` installed (transformers 5.25 depends on it) HF's attention forwards
+    set a ContextVar inside the checkpoint region, which dynamo refuses by default; the
+    parallelized forward traces with boost's dynamo settings (_dynamo_compat.py)."""
+    need_kernels()
+    res = two["hf_checkpointing"]
+    assert "error" not in res, res.get("error")
+    assert res["kernelized"] > 0, res  # the side-effecting wrapper was in the traced model
+    assert res["checkpointed"]["fallbacks"] == [] and res["checkpointed"]["grad"] <= RTOL, res
+
+
+def test_checkpointed_hf_model_with_kernels_is_captured() -> None:
+    """parallelize's capture of a gradient-checkpointed HF Llama whose forwards carry the
+    ``kernels`` wrapper: one graph, every frame compiled; the dynamo setting it needs is
+    set only for the capture (the process keeps dynamo's default)."""
+    need("transformers")
+    need_kernels()
+    from boost_compiler.ir.capture import capture
+    from tests.models import make_hf
+
+    model, (ids,) = make_hf(seed=0, family="llama")
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert any("_kernel_funcs" in m.__dict__ for m in model.modules())  # the wrapper is in play
+    before = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    graphs = capture(model, (ids,), {"labels": ids, "use_cache": False}, require_compiled=True)
+    assert len(graphs) == 1
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint == before
 
 
 def test_parallelize_twice_raises_and_changes_nothing(two: dict) -> None:

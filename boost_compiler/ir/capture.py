@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .._dynamo_compat import tracing_patches
 from .._logging import get_logger
 from ..errors import BoostError, CaptureError, MutationError, UncompiledFrameError
 from ..tp.placeholder import shadow_param
@@ -162,7 +163,9 @@ def capture(
     from torch._dynamo.utils import counters
 
     frames = dict(counters["frames"])
+    # tracing_patches: a gradient-checkpointed HF model traces with `kernels` installed.
     with torch._dynamo.config.patch(
+        **tracing_patches(),
         recompile_limit=10_000,
         accumulated_recompile_limit=100_000,
         fail_on_recompile_limit_hit=True,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .._dynamo_compat import tracing_patches
 from ..errors import HookAfterParallelizeError, ParallelModelCopyError, UncompiledFrameError
 from .agreement import agree, input_signature
 from .placeholder import (
@@ -274,7 +275,10 @@ class ShadowForward:
             # attribute (a norm's eps) a tensor, and its tensorify pass turns that back
             # into a float in the top graph only; a nested compile region's body
             # (``compile_blocks``) kept ``eps.item()`` on what arrives as a float.
+            # tracing_patches: gradient-checkpointed HF models trace with the `kernels`
+            # package's side effect in their forwards (boost_compiler/_dynamo_compat.py).
             with cfg.patch(
+                **tracing_patches(),
                 specialize_float=True,
                 fail_on_recompile_limit_hit=True,
                 recompile_limit=max(cfg.recompile_limit, SHADOW_RECOMPILE_LIMIT),
