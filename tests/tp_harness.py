@@ -373,7 +373,7 @@ def passes_on_vs_off(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]
 
     Lowered eagerly: the passes act on the dynamo graph, before any lowering, and
     the Inductor-lowered default passes are checked against one device by
-    :func:`compare_training` (``make_cola_llama/compiled``).
+    :func:`compare_training` (``make_cola_llama/compiled``) and tests/test_seams.py.
     """
     import boost_compiler
     from tests import models
