@@ -174,7 +174,7 @@ def plan_by_module(args: argparse.Namespace, n_layers: int = DEPTHS[0]) -> list[
     """BOOST's collectives for the hybrid, each with the module it sits in.
 
     ``parallelize``'s own planning (capture, the pass pipeline with ``TP_REQUIRED``, as
-    ``boost_compiler/tp/parallel.py``'s ``_plan``) on a simulated ``--tp`` group in this
+    ``boost_compiler/parallel/parallelize.py``'s ``_plan``) on a simulated ``--tp`` group in this
     process (as ``boost explain``), since the plan names only the nodes.
     """
     from boost_compiler.explain.run import simulated_group

@@ -34,11 +34,11 @@ from .explain import Report, explain
 from .ir.capture import CapturedGraph, capture
 from .layouts import from_pretrained
 from .options import BoostOptions
-from .tp.parallel import parallelize
+from .parallel.parallelize import parallelize
+from .parallel.shadow import ParallelState, parallel_state
+from .parallel.state_dict import gather_state_dict, load_state_dict, reset_parameters
 from .tp.placement import Placement
 from .tp.plan import TPPlan
-from .tp.shadow import ParallelState, parallel_state
-from .tp.state_dict import gather_state_dict, load_state_dict, reset_parameters
 
 __version__ = "0.1.0"  # the one source: pyproject.toml reads it (dynamic version)
 

@@ -2,7 +2,7 @@
 
 :func:`tracing_patches` is merged into the ``torch._dynamo.config.patch(...)`` around
 each trace that boost starts itself: ``parallelize``'s capture (:mod:`.ir.capture`)
-and the parallelized model's forward (:class:`.tp.shadow.ShadowForward`, which covers
+and the parallelized model's forward (:class:`.parallel.shadow.ShadowForward`, which covers
 its own eager compile, the user's ``torch.compile(model, backend="boost")`` of it, and
 its ``compile_blocks`` regions, all traced inside that frame). Scoped, so models that
 boost never touches keep dynamo's defaults.

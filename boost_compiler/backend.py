@@ -27,6 +27,7 @@ from ._logging import get_logger
 from .errors import ShardingError
 from .ir.capture import placeholder_names
 from .ir.dump import GraphDumper
+from .ir.placeholder import current_local, placeholder_record, shadow_param
 from .ir.subgraphs import calls, inline_all
 from .lowering import symm_mem
 from .options import BoostOptions
@@ -35,7 +36,6 @@ from .passes.base import _digest
 from .passes.checkpoint import inline_tagged_regions
 from .passes.driver import run_pipeline
 from .tp.collectives import graph_collectives
-from .tp.placeholder import current_local, placeholder_record, shadow_param
 from .tp.plan import input_shapes, predicted_bytes
 
 log = get_logger(__name__)

@@ -37,8 +37,8 @@ from .convert_rules import LayerConversion, refuse_non_finite
 from .convert_rules import choose_rank as _choose_rank
 from .convert_rules import covered as _covered
 from .errors import ConversionError, PatternError, RankError, UnsupportedModuleError
+from .parallel.shadow import is_shard, parallel_state
 from .sparse import SparsePart
-from .tp.shadow import is_shard, parallel_state
 
 log = logging.getLogger("boost_compiler.convert")
 

@@ -81,7 +81,7 @@ class PlanFileError(BoostError, ValueError):
 class HookAfterParallelizeError(BoostError, RuntimeError):
     """A hook registered on an inner module of a parallelized model, which never runs.
 
-    The model's forward runs the shadow (see :mod:`boost_compiler.tp.shadow`), a copy of
+    The model's forward runs the shadow (see :mod:`boost_compiler.parallel.shadow`), a copy of
     its module tree taken by ``parallelize``: register such hooks before ``parallelize``,
     or on the parallelized model itself.
     """

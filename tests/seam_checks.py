@@ -22,7 +22,7 @@ def compiled_with(options: dict[str, Any], *, world: int, mesh: Any) -> dict[str
     """The tiny CoLA-LLaMA (2 layers) at tp=``world``, compiled with ``options``."""
     import boost_compiler
     from boost_compiler.models.cola_llama import build, example_inputs
-    from boost_compiler.tp.blocks import _MARK
+    from boost_compiler.parallel.blocks import _MARK
 
     model = build("tiny", seed=5, n_layers=2)
     ref = copy.deepcopy(model)

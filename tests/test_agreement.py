@@ -1,7 +1,7 @@
 """The ranks of a tensor-parallel group end as one model, or all stop with a named error.
 
 ``parallelize`` broadcasts rank 0's parameters and buffers before cutting them, and
-compares what cannot be made equal (tp/agreement.py). Each case runs on one 2-process
+compares what cannot be made equal (parallel/agreement.py). Each case runs on one 2-process
 gloo world; an error must reach every rank within seconds (the group's timeout, here
 10 minutes, is what a rank left waiting in a collective would see).
 """
@@ -54,14 +54,14 @@ def test_one_ranks_error_stops_every_rank(world: dict) -> None:
     assert max(r0["seconds"], r1["seconds"]) < FAST_S
 
 
-# What one rank sends to agree(): compared without a world (tp/parallel.py's _shared). Each
+# What one rank sends to agree(): compared without a world (parallel/parallelize.py's _shared). Each
 # difference below is one that a 2-rank run would otherwise meet only as a hang.
 
 
 def _sent(model, options=None, plan=None) -> dict:
     import torch
 
-    from boost_compiler.tp.parallel import _shared
+    from boost_compiler.parallel.parallelize import _shared
     from boost_compiler.tp.plan import TPPlan
 
     plan = plan if plan is not None else TPPlan(p=2, group="")
@@ -112,7 +112,7 @@ def test_plans_with_other_collectives_differ() -> None:
 def test_a_difference_in_a_long_list_is_named_by_its_entry() -> None:
     """A model's tensors are hundreds of entries: the message shows the first that differs
     (the parameter at fault), not every rank's whole list."""
-    from boost_compiler.tp.agreement import _shown
+    from boost_compiler.parallel.agreement import _shown
 
     tensors = [f"layers.{i}.w: [4, 4] float32 cpu" for i in range(300)]
     other = [*tensors[:7], "layers.7.w: [4, 8] float32 cpu", *tensors[8:]]

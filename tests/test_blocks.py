@@ -23,7 +23,7 @@ import boost_compiler
 from boost_compiler.backend import boost_backend
 from boost_compiler.ir.subgraphs import calls
 from boost_compiler.models.cola_llama import build, example_inputs
-from boost_compiler.tp.blocks import mark, repeated_blocks
+from boost_compiler.parallel.blocks import mark, repeated_blocks
 from boost_compiler.tp.groups import fake_process_group
 from boost_compiler.tp.plan import TPPlan
 
@@ -321,7 +321,7 @@ def test_transformers_models_compile_block_by_block(family: str, monkeypatch: An
     from tests.extras import need
 
     need("transformers")
-    from boost_compiler.tp import parallel
+    from boost_compiler.parallel import parallelize as parallel
 
     received: list[int] = []  # region calls in each graph the backend was given
 

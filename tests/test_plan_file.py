@@ -20,10 +20,10 @@ import boost_compiler
 from boost_compiler.errors import PlanFileError, PlanMismatchError
 from boost_compiler.explain import explain
 from boost_compiler.models.cola_llama import build, example_inputs
+from boost_compiler.parallel.shadow import parallel_state
 from boost_compiler.tp.groups import fake_process_group
 from boost_compiler.tp.placement import Placement, S
 from boost_compiler.tp.plan import TPPlan
-from boost_compiler.tp.shadow import parallel_state
 
 
 def _collectives(plan: TPPlan) -> list[tuple]:

@@ -17,8 +17,14 @@ import torch.nn.functional as F
 
 import boost_compiler
 from boost_compiler.models.cola_llama import build, example_inputs
+from boost_compiler.parallel.shadow import (
+    ATTR,
+    ParallelState,
+    is_shard,
+    parallel_state,
+    shadow_param,
+)
 from boost_compiler.tp.collectives import fake_process_group
-from boost_compiler.tp.shadow import ATTR, ParallelState, is_shard, parallel_state, shadow_param
 from tests.tp_harness import RTOL, _gathered_grad, _rel, ranks, result_of, run_world
 
 HOOK_METHODS = [

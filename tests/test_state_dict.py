@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from boost_compiler.tp.state_dict import StateDictError, gather_state_dict, load_state_dict
+from boost_compiler.parallel.state_dict import StateDictError, gather_state_dict, load_state_dict
 from tests.extras import need
 
 RTOL = 1e-5

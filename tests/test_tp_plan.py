@@ -221,7 +221,7 @@ def test_frames_past_the_recompile_limit_raise_instead_of_running_placeholders(
     the shadow's compiled entry without the forward's flag runs the frame as
     Python, where the placeholders themselves raise (they gave NaN before).
     """
-    from boost_compiler.tp import shadow
+    from boost_compiler.parallel import shadow
 
     torch._dynamo.reset()
     x = torch.randn(2, 3, 16)

@@ -168,7 +168,7 @@ def zoo_family(
         return {"refused": f"{type(exc).__name__}: {exc}"}
     plan = model.boost_plan
     run = torch.compile(model, backend="boost") if compiled else model
-    run(ids, **kwargs)  # the first call also compares the ranks' shapes (tp/agreement.py)
+    run(ids, **kwargs)  # the first call also compares the ranks' shapes (parallel/agreement.py)
     wire = _wire(lambda: run(ids, **kwargs))  # the collectives of one forward, as they ran
     errs = _train(model, ref, ids, world, steps=steps, lr=lr, run=run)
     if noise:  # what fp32 rounding alone does: a perturbed single-device twin

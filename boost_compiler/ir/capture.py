@@ -22,7 +22,7 @@ from torch import nn
 from .._dynamo_compat import tracing_patches
 from .._logging import get_logger
 from ..errors import BoostError, CaptureError, MutationError, UncompiledFrameError
-from ..tp.placeholder import shadow_param
+from .placeholder import shadow_param
 
 log = get_logger(__name__)
 

@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..ir.ops import value_of
+from .ops import value_of
 
 _INPLACE_OPERATOR = {
     operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,

@@ -176,7 +176,7 @@ def save(model: nn.Module, out: str | Path, layout: str, *, overwrite: bool = Fa
     import json
 
     from ..hf_io import layout_record
-    from ..tp.shadow import parallel_state
+    from ..parallel.shadow import parallel_state
 
     if parallel_state(model) is not None:
         raise LayoutError(

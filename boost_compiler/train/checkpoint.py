@@ -62,8 +62,8 @@ from ..errors import (
     CheckpointError,
     UnsafeCheckpointError,
 )
+from ..parallel.shadow import parallel_state
 from ..tp.placement import Placement, R
-from ..tp.shadow import parallel_state
 from . import integrity
 from .train_state import STATE_FILE, STEP_DIR, check_shapes, read_state
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..tp.shadow import parallel_state, set_compute_dtype
+from ..parallel.shadow import parallel_state, set_compute_dtype
 
 
 def mp_policy(mixed_precision: str) -> Any:

@@ -4,7 +4,7 @@ Layout: a 2-D ``DeviceMesh`` ``(dp, tp)``. Every rank builds the same model
 (same seed); ``parallelize(model, mesh["tp"])`` turns its parameters into plain
 local TP blocks; ``fully_shard(model, mesh=mesh["dp"])`` then shards those blocks
 over dp. Why this order works: the parallelized forward looks each parameter up on
-its owning module at every call (``tp.shadow.current_local``), and FSDP2's root
+its owning module at every call (``parallel.shadow.current_local``), and FSDP2's root
 pre-forward hook puts the all-gathered (unsharded) block there; its post-backward
 reduce-scatters (averages) the gradients over dp. At tp > 1 only the root module is
 wrapped: the forward runs a shadow copy of the module tree, so hooks on inner modules

@@ -300,9 +300,9 @@ class Pipeline:
 
 def _full_state_dict(module: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     """One stage module's parameters (or gradients) at global shapes."""
+    from ..parallel.shadow import parallel_state
+    from ..parallel.state_dict import _gather_one
     from ..tp.placement import R
-    from ..tp.shadow import parallel_state
-    from ..tp.state_dict import _gather_one
 
     state = parallel_state(module.stage)
     out: dict[str, torch.Tensor] = {}

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..device import pick_device
 from ..errors import VocabSizeError
-from ..tp.shadow import parallel_state
+from ..parallel.shadow import parallel_state
 from . import checkpoint as ckpt
 from . import comm, hf_model
 from . import fsdp as fsdp_units

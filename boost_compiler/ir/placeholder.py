@@ -1,6 +1,6 @@
 """The shadow's parameters: global-shape placeholders that compute only inside a boost graph.
 
-A parallelized model's shadow (see :mod:`.shadow`) holds, in place of each parameter, a
+A parallelized model's shadow (see :mod:`boost_compiler.parallel.shadow`) holds, in place of each parameter, a
 :class:`Placeholder` with the parameter's global shape, which dynamo traces with and the
 boost backend swaps for the owner's current shard at every call. That a placeholder never
 computes anywhere else is the placeholder's own property, not an inference from what dynamo
@@ -28,9 +28,9 @@ from torch.utils import _pytree as pytree
 from ..errors import UncompiledFrameError
 
 if TYPE_CHECKING:
-    from .groups import TPGroup
-    from .placement import Placement
-    from .plan import TPPlan
+    from ..tp.groups import TPGroup
+    from ..tp.placement import Placement
+    from ..tp.plan import TPPlan
 
 # The one attribute the shadow contract puts on a placeholder (and on a model or a shard).
 ATTR = "_boost"

@@ -26,7 +26,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from ..device import group_backend, pick_device
 from ..errors import PeerRankError, RankMismatchError
-from .groups import TPGroup
+from ..tp.groups import TPGroup
 
 #: What a rank sends in place of its values when its own preparation raised.
 _FAILED = "__boost_failed__"

@@ -4,7 +4,7 @@ How a model written for one device runs on shards: its parameters are replaced b
 real local shards (what the optimizer trains), and its forward by a dynamo-compiled
 *shadow*: a copy of the module tree whose parameters are zero-memory placeholders
 with the GLOBAL shapes, which refuse any computation outside dynamo's tracing
-(:mod:`.placeholder`). Dynamo therefore traces the user's code exactly as written
+(:mod:`boost_compiler.ir.placeholder`). Dynamo therefore traces the user's code exactly as written
 (``view(b, s, self.n_heads, ...)`` sees the global sizes), guards and recompiles for
 new shapes, kwargs and train/eval as for any model, and hands each graph to the boost
 backend, which rewrites it to local shapes with the collectives of BOOST and calls it
@@ -30,18 +30,18 @@ from .._logging import get_logger
 from ..backend import boost_backend
 from ..errors import AlreadyParallelizedError, BoostError, PlanFileError
 from ..ir.capture import CapturedGraph, capture
+from ..ir.placeholder import ShadowParam, make_placeholder
 from ..ir.subgraphs import calls, inlined_copy
 from ..options import BoostOptions
 from ..passes import TP_REQUIRED, PassContext
 from ..passes.driver import run_pipeline
+from ..tp.collectives import graph_collectives
+from ..tp.groups import TPGroup, resolve_group
+from ..tp.placement import Placement, R
+from ..tp.plan import TPPlan, input_shapes
 from .agreement import agree, broadcast_from_first, canonical, digest, input_signature
 from .blocks import mark, marked, repeated_blocks
 from .closures import Rebinding, plan_rebinding, rebind
-from .collectives import graph_collectives
-from .groups import TPGroup, resolve_group
-from .placeholder import ShadowParam, make_placeholder
-from .placement import Placement, R
-from .plan import TPPlan, input_shapes
 from .plan_fit import check_blocks_fit, check_fits
 from .shadow import ParallelState, ShadowForward, attach, is_shard, mark_shard, parallel_state
 

@@ -29,11 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import StateDictError
-from .collectives import _raw_all_gather
-from .placement import Placement, R
+from ..tp.collectives import _raw_all_gather
+from ..tp.placement import Placement, R
 from .shadow import parallel_state
 
-log = logging.getLogger("boost_compiler.tp.state_dict")
+log = logging.getLogger("boost_compiler.parallel.state_dict")
 
 __all__ = ["StateDictError", "gather_state_dict", "load_state_dict", "reset_parameters"]
 

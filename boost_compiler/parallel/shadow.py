@@ -2,7 +2,7 @@
 
 A parallelized model keeps its module tree, with this rank's shards as parameters (what
 the optimizer trains and ``state_dict`` returns); its forward runs the *shadow*, a copy of
-that tree taken by ``parallelize`` whose parameters are placeholders (:mod:`.placeholder`)
+that tree taken by ``parallelize`` whose parameters are placeholders (:mod:`boost_compiler.ir.placeholder`)
 with the global shapes, compiled through the boost backend, which swaps each placeholder for its
 owner's current shard at every call. Everything that ties the two together lives here,
 one dataclass per object under the one attribute ``_boost``: the model's
@@ -30,18 +30,18 @@ from torch import nn
 
 from .._dynamo_compat import tracing_patches
 from ..errors import HookAfterParallelizeError, ParallelModelCopyError, UncompiledFrameError
-from .agreement import agree, input_signature
-from .placeholder import (
+from ..ir.placeholder import (
     ATTR,
     ShadowParam,
     current_local,
     make_placeholder,
     shadow_param,
 )
+from .agreement import agree, input_signature
 
 if TYPE_CHECKING:
-    from .groups import TPGroup
-    from .plan import TPPlan
+    from ..tp.groups import TPGroup
+    from ..tp.plan import TPPlan
 
 
 # The methods that change what the shadow must copy: each syncs it after it ran.
@@ -237,7 +237,7 @@ class ShadowForward:
     A frame of the shadow that dynamo gives up on (``recompile_limit``: HF
     forwards share wrapper code objects between models, and every new shape,
     backend or instance adds a cache entry) would by dynamo's default run as
-    plain Python, where the placeholders refuse to compute (:mod:`.placeholder`).
+    plain Python, where the placeholders refuse to compute (:mod:`boost_compiler.ir.placeholder`).
     ``fail_on_recompile_limit_hit`` turns that into dynamo's own error naming the
     limit, earlier, and it is set only while this forward runs, so models that were
     never parallelized keep dynamo's default. That needs a frame of ours that
@@ -258,7 +258,7 @@ class ShadowForward:
     ) -> None:
         self.shadow = shadow
         self.eager = torch.compile(shadow, backend=backend, dynamic=False)
-        self.group = group  # the first call's shapes are compared over it (tp/agreement.py)
+        self.group = group  # the first call's shapes are compared over it (parallel/agreement.py)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_dynamo_compiling():  # inlined into the user's traced code

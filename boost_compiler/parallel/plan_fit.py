@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..errors import PlanMismatchError
-from .placement import P, Placement
-from .plan import TPPlan
+from ..tp.placement import P, Placement
+from ..tp.plan import TPPlan
 
 
 def check_fits(plan: TPPlan, shapes: Mapping[str, tuple[int, ...]], p: int) -> None:

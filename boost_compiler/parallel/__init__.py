@@ -1,0 +1,6 @@
+"""The user-facing tensor-parallel layer: ``parallelize`` and the runtime of a parallelized model.
+
+Above the compiler: it captures the model (:mod:`boost_compiler.ir`), plans it with the pass pipeline
+(:mod:`boost_compiler.passes`, :mod:`boost_compiler.tp`), shards the parameters in place and keeps a shadow whose
+forward the boost backend compiles. Nothing below this package imports it.
+"""
