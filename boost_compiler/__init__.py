@@ -25,7 +25,6 @@ every error the package raises is a ``BoostError`` subclass in :mod:`boost_compi
 from __future__ import annotations
 
 from .analysis.bottlenecks import Bottleneck
-from .analysis.detect import detect
 from .analysis.report import bottleneck_table
 from .backend import boost_backend
 from .convert import ConversionReport, LayerConversion, LowRankLinear, to_low_rank
@@ -37,6 +36,7 @@ from .options import BoostOptions
 from .parallel.parallelize import parallelize
 from .parallel.shadow import ParallelState, parallel_state
 from .parallel.state_dict import gather_state_dict, load_state_dict, reset_parameters
+from .passes.detect import detect
 from .tp.placement import Placement
 from .tp.plan import TPPlan
 

@@ -25,8 +25,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from . import lowering
 from ._logging import get_logger
 from .errors import ShardingError
+from .explain.dump import GraphDumper
 from .ir.capture import placeholder_names
-from .ir.dump import GraphDumper
 from .ir.placeholder import current_local, placeholder_record, shadow_param
 from .ir.subgraphs import calls, inline_all
 from .lowering import symm_mem

@@ -21,7 +21,7 @@ from rich.console import Console
 import boost_compiler
 from boost_compiler.explain import Report, explain
 from boost_compiler.explain.draw import payload_text
-from boost_compiler.ir.dump import GraphDumper
+from boost_compiler.explain.dump import GraphDumper
 from boost_compiler.options import BoostOptions
 from boost_compiler.passes import PIPELINE
 from boost_compiler.tp.collectives import fake_process_group

@@ -5,6 +5,12 @@ functions (the usual way to hide a circle) and those under ``TYPE_CHECKING`` ali
 edge ``a -> b`` for each ``import b``/``from b import x`` (and ``from a import b`` when
 ``b`` is a module); a package's ``__init__`` is a module like any other. Any strongly
 connected set of more than one module, or a module importing itself, is a circle.
+
+The same walk, one level up (issue 43, item 1): each subpackage and each root module is a
+layer (``boost_compiler.tp.rules.core`` is in ``tp``, ``boost_compiler.backend`` is
+``backend``, the package's ``__init__`` is ``boost_compiler``), and no circle may join two
+layers either: the compiler's stages, the backend and the user-facing ``parallel`` import
+downward only.
 """
 
 from __future__ import annotations
@@ -52,6 +58,22 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def layer(module: str) -> str:
+    """The subpackage or root module ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``a -> b`` when a module of layer ``a`` imports one of layer ``b`` (``a != b``)."""
+    out: dict[str, set[str]] = {}
+    for src, targets in graph.items():
+        out.setdefault(layer(src), set()).update(
+            layer(t) for t in targets if layer(t) != layer(src)
+        )
+    return out
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -114,3 +136,25 @@ def test_no_import_circle_in_the_package() -> None:
     assert len(graph) > 90 and any(graph.values())
     found = circles(graph)
     assert not found, "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_check_sees_two_layers_importing_each_other() -> None:
+    """No module circle, yet ``ir`` and ``tp`` import each other: a layer circle."""
+    graph = {
+        f"{PKG}.ir.capture": {f"{PKG}.tp.placeholder"},
+        f"{PKG}.tp.placeholder": set(),
+        f"{PKG}.tp.apply": {f"{PKG}.ir.ops"},
+        f"{PKG}.ir.ops": set(),
+        f"{PKG}.backend": {f"{PKG}.tp.apply"},
+    }
+    assert not circles(graph)
+    assert circles(layer_graph(graph)) == [["ir", "tp"]]
+
+
+def test_no_two_layers_import_each_other() -> None:
+    """Subpackages and root modules import downward only (function-level imports count)."""
+    layers = layer_graph(import_graph())
+    assert {"parallel", "tp", "ir", "passes", "backend"} <= layers.keys()
+    assert "backend" in layers["parallel"] and "parallel" not in layers["backend"]
+    found = circles(layers)
+    assert not found, "layers importing each other: " + "; ".join(" <-> ".join(c) for c in found)

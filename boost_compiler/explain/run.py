@@ -25,7 +25,6 @@ from ..analysis.bottlenecks import Bottleneck
 from ..costmodel import LlamaDims, cost, plan_comm
 from ..errors import BoostError, OutputPathError
 from ..ir.capture import CapturedGraph, capture
-from ..ir.dump import GraphDumper
 from ..ir.ops import value_of
 from ..options import BoostOptions
 from ..passes import PassContext
@@ -35,6 +34,7 @@ from ..tp.groups import TPGroup, resolve_group
 from ..tp.placement import R
 from ..tp.plan import TPPlan, input_shapes
 from . import draw
+from .dump import GraphDumper
 from .report import CollectiveRow, CostRow, Report, Stage
 
 log = get_logger(__name__)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,11 +26,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from ..errors import UncompiledFrameError
-
-if TYPE_CHECKING:
-    from ..tp.groups import TPGroup
-    from ..tp.placement import Placement
-    from ..tp.plan import TPPlan
 
 # The one attribute the shadow contract puts on a placeholder (and on a model or a shard).
 ATTR = "_boost"
@@ -44,14 +39,19 @@ class ShadowParam:
     there; ``local`` is the shard ``parallelize`` made, used only while the owner
     holds none (see :func:`current_local`); ``plan`` is the model's plan, which
     records every graph the backend rewrites for it.
+
+    ``placement``, ``group`` and ``plan`` are a :class:`~boost_compiler.tp.placement.Placement`,
+    a :class:`~boost_compiler.tp.groups.TPGroup` and a :class:`~boost_compiler.tp.plan.TPPlan`,
+    typed ``Any`` here because ``ir`` sits below ``tp`` (``tp`` reads the IR; the IR never
+    imports ``tp``, even for types).
     """
 
     fqn: str
-    placement: Placement
-    group: TPGroup
+    placement: Any
+    group: Any
     owner: tuple[nn.Module, str]
     local: nn.Parameter
-    plan: TPPlan
+    plan: Any
 
 
 class Placeholder(torch.Tensor):

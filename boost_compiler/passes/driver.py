@@ -10,25 +10,39 @@ graph module is recompiled once at the end. A pass's exception propagates unchan
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch.fx as fx
 
 from .._logging import get_logger
 from ..errors import OptionTypeError
 from ..ir.subgraphs import distinct_bodies
-from ..options import BoostOptions
 from .base import BoostPass, PassContext
 from .pipeline import PIPELINE
 
 log = get_logger(__name__)
+
+
+class PassOptions(Protocol):
+    """What the driver reads of :class:`boost_compiler.options.BoostOptions`.
+
+    A protocol, not an import: the options validate their names against
+    :data:`.pipeline.PIPELINE`, so they sit above the passes and the passes never import them.
+    """
+
+    @property
+    def passes(self) -> Mapping[str, Any]: ...
+
+    def enabled(self, name: str) -> bool: ...
+
 
 #: ``on_stage(stage, gm, ctx)``: called with ``"input"`` first, then each pass's name.
 OnStage = Callable[[str, fx.GraphModule, PassContext], None]
 
 
 def enabled_passes(
-    options: BoostOptions, passes: Sequence[type[BoostPass]] | None = None
+    options: PassOptions, passes: Sequence[type[BoostPass]] | None = None
 ) -> list[type[BoostPass]]:
     """The passes of ``passes`` (default: the pipeline) that ``options`` leave on, in order."""
     return [cls for cls in _or_pipeline(passes) if options.enabled(cls.name)]
@@ -44,7 +58,7 @@ def _or_pipeline(passes: Sequence[type[BoostPass]] | None) -> Sequence[type[Boos
 def run_pipeline(
     gm: fx.GraphModule,
     ctx: PassContext,
-    options: BoostOptions,
+    options: PassOptions,
     passes: Sequence[type[BoostPass]] | None = None,
     *,
     required: Collection[str] = (),

@@ -1,7 +1,7 @@
 """``detect``: capture a model and find its bottlenecks, as the backend's front passes see it.
 
-Kept apart from :mod:`.bottlenecks` (the graph analysis, which the passes import) because
-it runs passes itself: the in-place ops are made functional first, so that every reader
+In ``passes``, not beside :mod:`boost_compiler.analysis.bottlenecks` (the graph analysis,
+which the passes import), because it runs passes itself: the in-place ops are made functional first, so that every reader
 of a value sees what it reads.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 from torch import nn
 
 from .._logging import get_logger
+from ..analysis.bottlenecks import Bottleneck, find_bottlenecks
 from ..ir.capture import CapturedGraph, capture
-from ..passes import FRONT, PassContext
-from .bottlenecks import Bottleneck, find_bottlenecks
+from . import FRONT, PassContext
 
 log = get_logger(__name__)
 

@@ -77,13 +77,13 @@ class GraphDumper:
             self._draw(slug, stage, gm, ctx)
 
     def _draw(self, slug: str, stage: str, gm: fx.GraphModule, ctx: object) -> None:
-        from ..explain import draw
         from ..tp.collectives import graph_collectives
+        from . import draw
 
         assert self.dir is not None
         params = dict(getattr(ctx, "param_names", None) or {})
         if not params:
-            from .capture import fqn_from_source
+            from ..ir.capture import fqn_from_source
 
             for n in gm.graph.nodes:
                 source = getattr(n.meta.get("grapharg"), "source", None)
