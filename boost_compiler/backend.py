@@ -14,7 +14,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,9 +27,8 @@ from ._logging import get_logger
 from .errors import ShardingError
 from .explain.dump import GraphDumper
 from .ir.capture import placeholder_names
-from .ir.placeholder import current_local, placeholder_record, shadow_param
+from .ir.placeholder import shadow_param
 from .ir.subgraphs import calls, inline_all
-from .lowering import symm_mem
 from .options import BoostOptions
 from .passes import TP_REQUIRED, BoostPass, PassContext
 from .passes.base import _digest
@@ -39,6 +38,20 @@ from .tp.collectives import graph_collectives
 from .tp.plan import input_shapes, predicted_bytes
 
 log = get_logger(__name__)
+
+#: ``(gm, example_inputs, shards, tp, ran, opts, mode) -> callable``: how a graph of a
+#: parallelized model is lowered and run on the local shards. The parallel layer sits
+#: above the backend (``parallelize`` compiles its shadow through ``boost_backend``),
+#: so it registers this on import (:mod:`boost_compiler.parallel.runtime`); only a model
+#: it parallelized has placeholders, so it is always imported when one is compiled.
+ParallelCompile = Callable[..., Callable[..., Any]]
+_parallel_compile: ParallelCompile | None = None
+
+
+def register_parallel_compile(fn: ParallelCompile) -> None:
+    """Install how a parallelized model's graphs compile (called by the parallel layer)."""
+    global _parallel_compile
+    _parallel_compile = fn
 
 
 class _PostGrad(CustomGraphPass):
@@ -110,18 +123,14 @@ def boost_backend(
         if opts.settings["lowering"] == "eager":
             return gm.forward
         return _lower_with_inductor(gm, list(example_inputs), ran, opts, mode)
-    # A parallelized model: run the rewritten graph on the real local shards in
-    # place of the global-shape placeholders dynamo traced with.
-    local_inputs = _local_example_inputs(example_inputs, shards)
-    if opts.settings["lowering"] == "eager":
-        fn: Callable[..., Any] = gm.forward
-    elif opts.settings["compile_in_turns"]:
-        fn = _in_turns(
-            ctx.tp, lambda: _lower_with_inductor(gm, local_inputs, ran, opts, mode, ctx.tp)
+    # A parallelized model: the user-facing layer above compiles it (its placeholders
+    # are that layer's; see register_parallel_compile).
+    if _parallel_compile is None:
+        raise ShardingError(
+            "a graph holds the placeholders of a parallelized model, but no runtime for "
+            "them is registered: import boost_compiler (boost_compiler.parallel.runtime)"
         )
-    else:
-        fn = _lower_with_inductor(gm, local_inputs, ran, opts, mode, ctx.tp)
-    return _with_local_shards(fn, sorted(shards), ctx.tp)
+    return _parallel_compile(gm, example_inputs, shards, ctx.tp, ran, opts, mode)
 
 
 def _inline_regions(gm: fx.GraphModule, opts: BoostOptions) -> None:
@@ -144,104 +153,16 @@ def _inline_regions(gm: fx.GraphModule, opts: BoostOptions) -> None:
         log.debug("boost: %d nested compile region call(s) inlined for eager lowering", n)
 
 
-def _in_turns(tp: Any, compile_: Callable[[], Any]) -> Any:
-    """Compile on one rank of the group after another (option ``compile_in_turns``).
-
-    The ranks' graphs differ only in a few rank offsets, so most generated
-    kernels are identical: with a shared Inductor cache directory, rank i>0
-    finds them compiled by rank 0 instead of compiling them again on the same
-    cores at the same time. The backward graph is compiled now too (not lazily
-    at the first backward), inside this rank's turn. Turns are taken with
-    barriers on the group's own process group, outside any traced code; every
-    rank compiles the same graphs in the same order (SPMD), so they match.
-
-    A compile that raises still takes part in every barrier, and raises after
-    them: dynamo restarts a frame's analysis by raising from inside the backend
-    (with ``dynamic=True``, its scalar-tensorify pass does), and a rank leaving
-    the turns early would pair its next barrier with another rank's collective.
-    """
-    pg = torch.distributed.distributed_c10d._resolve_process_group(tp.name)
-    fn, error = None, None
-    for turn in range(tp.size):
-        if turn == tp.rank:
-            try:
-                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
-                    fn = compile_()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the turns
-                error = exc
-        torch.distributed.barrier(group=pg)
-    if error is not None:
-        raise error
-    return fn
-
-
-def _local_example_inputs(example_inputs: Sequence[Any], shards: dict[int, Any]) -> list[Any]:
-    """The example inputs with each global placeholder replaced by this rank's shard.
-
-    The shards go in as static fake tensors of dynamo's fake mode. Dynamo
-    fakified the global placeholders (static: parameters), never the shards;
-    AOTAutograd would fakify a real shard itself and, under ``dynamic=True``,
-    give its sizes fresh symbols duck-sized onto equal activation sizes (a
-    16-row weight and a 16-token sequence share one symbol). No guard covers
-    that, and the next sequence length breaks the compiled graph.
-    """
-    fake_mode = torch._guards.detect_fake_mode(example_inputs)
-    out = list(example_inputs)
-    for i, x in shards.items():
-        local = current_local(x)
-        out[i] = local if fake_mode is None else fake_mode.from_tensor(local, static_shapes=True)
-    return out
-
-
-def _with_local_shards(fn: Callable[..., Any], positions: list[int], tp: Any) -> Callable[..., Any]:
-    """Call ``fn`` with each placeholder argument replaced by its local shard, per call.
-
-    The shard is looked up on the argument at run time, never bound at compile
-    time: dynamo lifts parameters to graph inputs without guarding on their
-    identity, so two parallelized instances of one model class share this
-    compiled graph, and each must run on its own shards.
-    """
-
-    def run(*args: Any) -> Any:
-        args_ = list(args)
-        for i in positions:
-            record = placeholder_record(args_[i])
-            if record.group != tp:
-                raise ShardingError(
-                    f"a graph compiled for tensor-parallel group {tp} was called with "
-                    f"parameter {record.fqn!r} of group {record.group}; "
-                    "compile each differently parallelized model separately"
-                )
-            args_[i] = current_local(args_[i])
-        return fn(*args_)  # dynamo calls a backend's result positionally
-
-    return run
-
-
-def _symm_mem_patches(tp: Any, opts: BoostOptions) -> dict[str, Any]:
-    """Option ``symm_mem_all_reduce`` on the group ``tp`` (``lowering/symm_mem.py``)."""
-    if not opts.settings["symm_mem_all_reduce"]:
-        return {}
-    import torch.distributed as dist
-
-    from .device import group_backend
-
-    pg = dist.distributed_c10d._resolve_process_group(tp.name)
-    # symmetric memory is CUDA memory: what counts is the backend of the CUDA tensors
-    return symm_mem.inductor_patches(
-        tp.name, group_backend(pg, "cuda"), opts.settings["symm_mem_all_reduce"],
-        opts.settings["collective_wait"], opts.settings["overlap_comm"],
-    )  # fmt: skip
-
-
 def _lower_with_inductor(
     gm: fx.GraphModule,
     example_inputs: list[Any],
     ran: Sequence[BoostPass],
     opts: BoostOptions,
     mode: str | None,
-    tp: Any = None,
+    extra_patches: Mapping[str, Any] | None = None,
 ) -> Callable[..., Any]:
+    """Lower ``gm`` with Inductor; ``extra_patches`` (a parallelized model's symmetric-memory
+    options) go over ``mode``'s Inductor options and under the user's ``inductor_config``."""
     from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
@@ -249,8 +170,7 @@ def _lower_with_inductor(
     patches: dict[str, Any] = {}
     if mode not in (None, "default"):
         patches.update(list_mode_options(mode))
-    if tp is not None:
-        patches.update(_symm_mem_patches(tp, opts))
+    patches.update(extra_patches or {})
     patches.update(opts.settings["inductor_config"] or {})
     regions = bool(calls(gm.graph))
     if regions:
@@ -284,4 +204,4 @@ def _lower_with_inductor(
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-__all__ = ["boost_backend"]
+__all__ = ["boost_backend", "register_parallel_compile"]

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 def compile_in_turns_off(*, world: int, mesh: Any, steps: int = 2) -> dict[str, Any]:
     import boost_compiler
-    from boost_compiler import backend
     from boost_compiler.options import BoostOptions
+    from boost_compiler.parallel import runtime as backend
     from tests import models
     from tests.tp_harness import _training_result, probe_loss
 

@@ -130,7 +130,7 @@ def test_compile_in_turns_takes_every_barrier_when_the_compile_raises(
     with ``dynamic=True``). Every rank must take ``p`` barriers per compile, then raise."""
     import torch.distributed as dist
 
-    from boost_compiler.backend import _in_turns
+    from boost_compiler.parallel.runtime import _in_turns
     from boost_compiler.tp.collectives import fake_process_group
     from boost_compiler.tp.groups import resolve_group
 

@@ -112,8 +112,8 @@ def test_symm_mem_is_decided_by_the_cuda_backend(one_rank: Any) -> None:
     group with no NCCL for CUDA tensors is refused, by name."""
     import torch.distributed._symmetric_memory as symm
 
-    from boost_compiler.backend import _symm_mem_patches
     from boost_compiler.options import BoostOptions
+    from boost_compiler.parallel.runtime import _symm_mem_patches
 
     tp = resolve_group(one_rank("cpu:gloo"))
     opts = BoostOptions.parse({"symm_mem_all_reduce": 4096})

@@ -4,3 +4,7 @@ Above the compiler: it captures the model (:mod:`boost_compiler.ir`), plans it w
 (:mod:`boost_compiler.passes`, :mod:`boost_compiler.tp`), shards the parameters in place and keeps a shadow whose
 forward the boost backend compiles. Nothing below this package imports it.
 """
+
+# Registers how the backend compiles a parallelized model's graphs: every placeholder comes
+# from this package, so the backend finds the runtime whenever it meets one.
+from . import runtime as _runtime  # noqa: F401
