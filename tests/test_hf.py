@@ -181,13 +181,15 @@ def _propagate(model: nn.Module, *inputs: torch.Tensor):
     """Capture one graph and run the sharding propagation for rank 0 of 2."""
     from boost_compiler.analysis.bottlenecks import find_bottlenecks
     from boost_compiler.ir.capture import capture
-    from boost_compiler.tp.apply import shard_graph
+    from boost_compiler.tp.apply import apply_plan
     from boost_compiler.tp.collectives import fake_process_group
+    from boost_compiler.tp.planner import PlanRequest, plan_graph
 
     [g] = capture(model, inputs)
     with fake_process_group(2) as group:
         found = find_bottlenecks(g.gm, g.param_names)
-        result = shard_graph(g.gm, g.param_names, found, 2, group, 0)
+        request = PlanRequest(g.param_names, tuple(found), 2, group, 0)
+        result = apply_plan(g.gm, plan_graph(g.gm.graph, request))
     return g.gm, result
 
 

@@ -23,9 +23,10 @@ import torch.fx as fx
 from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
 from ..tp import rules
-from ..tp.apply import shard_graph
+from ..tp.apply import apply_plan
 from ..tp.collectives import graph_collectives
 from ..tp.placement import Placement
+from ..tp.planner import PlanRequest, plan_graph
 from ..tp.regions import RegionPlanner
 from ..tp.rules.registry import ShardingResult
 from .base import BoostPass, PassContext
@@ -52,19 +53,21 @@ class BottleneckTP(BoostPass):
             return
         gm = graph.owning_module
         assert gm is not None
-        # Rules decide (the planner changes nothing), then the one applier rewrites.
-        result = shard_graph(
-            gm,
+        request = PlanRequest(
             self.ctx.param_names,
-            self.ctx.bottlenecks,
+            tuple(self.ctx.bottlenecks),
             tp.size,
             tp.name,
             tp.rank,
-            self.ctx.fixed,
+            dict(self.ctx.fixed or {}),
             vocab_parallel=self.setting != "replicated_head",
             inputs=self.ctx.inputs,
             regions=RegionPlanner(self._plan_body) if self.ctx.run_body is not None else None,
         )
+        # Two steps: the rules decide every placement (the graph is unchanged), then the
+        # one applier rewrites the graph as planned.
+        walk = plan_graph(gm.graph, request)
+        result = apply_plan(gm, walk)
         self.ctx.notes["btp"] = result
         if result.regions:
             log.info("btp: %d region body(ies) planned: %s", len(result.regions),

@@ -23,15 +23,14 @@ from typing import Any
 
 import torch.fx as fx
 
-from ..analysis.bottlenecks import Bottleneck
 from ..ir.op_table import op_kind
 from ..ir.ops import value_of
 from ..ir.subgraphs import drop_unused_bodies
 from . import collectives as C
 from .copy_site import copy_site
 from .placement import P, Placement, R, S, unblock
-from .planner import plan_graph
-from .regions import CallPlan, RegionPlanner
+from .planner import Walk
+from .regions import CallPlan
 from .rules.core import requires_grad
 from .rules.registry import ShardingResult
 from .strategy import Read, Strategy
@@ -264,26 +263,9 @@ class Applier:
         return piece
 
 
-def shard_graph(
-    gm: fx.GraphModule,
-    param_names: dict[str, str],
-    bottlenecks: list[Bottleneck],
-    p: int,
-    group: str,
-    rank: int,
-    fixed: dict[str, Placement] | None = None,
-    vocab_parallel: bool = True,
-    inputs: dict[str, Placement] | None = None,
-    regions: RegionPlanner | None = None,
-) -> ShardingResult:
-    """Plan ``gm`` for one rank of a ``p``-way group (``planner.plan_graph``), then rewrite it.
-
-    ``inputs`` and ``regions``: see :func:`~.planner.plan_graph`.
-    """
-    walk = plan_graph(
-        gm.graph, param_names, bottlenecks, p, group, rank, fixed, vocab_parallel, inputs, regions
-    )
-    Applier(gm.graph, walk.env, group, rank, p).run(walk.plan)
+def apply_plan(gm: fx.GraphModule, walk: Walk) -> ShardingResult:
+    """Rewrite ``gm`` as ``walk`` (:func:`~.planner.plan_graph` on its graph) planned it."""
+    Applier(gm.graph, walk.env, walk.group, walk.rank, walk.p).run(walk.plan)
     if walk.region_out:
         drop_unused_bodies(gm)  # the bodies as traced, replaced by their rewrites
     gm.graph.lint()

@@ -15,6 +15,8 @@ operands (``tp/regions.py``). The strategies go to the one applier (``tp/apply.p
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,30 +47,52 @@ _F = Placement("F")  # the key of an f (copy_to_tp) among the planned conversion
 log = get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class PlanRequest:
+    """What one rank's plan of one graph is asked: the planning inputs, in one place.
+
+    ``param_names`` maps placeholder names to parameter FQNs; ``bottlenecks`` give the
+    factors their roles; the plan is for ``rank`` of the ``p``-way group named ``group``.
+    ``fixed`` holds parameter placements decided earlier (the model's shards exist); the
+    others are decided by the plan (``result.params``). ``vocab_parallel`` splits LM heads
+    on the vocabulary (option ``btp``'s ``"replicated_head"`` turns it off). ``inputs``: the
+    graph is a region's body, its non-parameter inputs so placed; ``regions`` plans the
+    region calls it makes (without one, a call reads its operands whole: exact, listed as
+    a fallback).
+    """
+
+    param_names: dict[str, str]
+    bottlenecks: tuple[Bottleneck, ...]
+    p: int
+    group: str
+    rank: int
+    fixed: dict[str, Placement] = field(default_factory=dict)
+    vocab_parallel: bool = True
+    inputs: dict[str, Placement] | None = None
+    regions: RegionPlanner | None = None
+
+    def roles(self) -> dict[str, str]:
+        """Each bottleneck factor's node name -> ``"down"`` or ``"up"``."""
+        role: dict[str, str] = {}
+        for b in self.bottlenecks:
+            role[b.down_node] = "down"
+            role[b.up_node] = "up"
+        return role
+
+
 class Walk:
     """One planning walk over ``graph``: the rules' :class:`RuleContext` and its record."""
 
-    def __init__(
-        self,
-        graph: fx.Graph,
-        param_names: dict[str, str],
-        role: dict[str, str],
-        p: int,
-        group: str,
-        rank: int,
-        fixed: dict[str, Placement],
-        vocab_parallel: bool,
-        cost_model: CostModel,
-        inputs: dict[str, Placement] | None = None,
-        regions: RegionPlanner | None = None,
-    ) -> None:
-        self.graph, self._param_names, self._role = graph, param_names, role
-        self.p, self.group, self.rank, self.vocab_parallel = p, group, rank, vocab_parallel
-        self.fixed = dict(fixed)
+    def __init__(self, graph: fx.Graph, request: PlanRequest, cost_model: CostModel) -> None:
+        self.graph, self.request = graph, request
+        self._param_names, self._role = request.param_names, request.roles()
+        self.p, self.group, self.rank = request.p, request.group, request.rank
+        self.vocab_parallel = request.vocab_parallel
+        self.fixed = dict(request.fixed)
         self.cost_model = cost_model
         # A region's body: its inputs' placements (by placeholder name); its outputs keep
         # theirs (``outputs``). None for a graph whose inputs and outputs are global.
-        self.inputs, self.regions = inputs, regions
+        self.inputs, self.regions = request.inputs, request.regions
         self.outputs: tuple[Placement, ...] = ()
         self.region_out: dict[fx.Node, tuple[Placement, ...]] = {}
         self.env: dict[fx.Node, Placement] = {}
@@ -342,37 +366,15 @@ def _device(graph: fx.Graph) -> str:
     return torch.get_default_device().type
 
 
-def plan_graph(
-    graph: fx.Graph,
-    param_names: dict[str, str],
-    bottlenecks: list[Bottleneck],
-    p: int,
-    group: str,
-    rank: int,
-    fixed: dict[str, Placement] | None = None,
-    vocab_parallel: bool = True,
-    inputs: dict[str, Placement] | None = None,
-    regions: RegionPlanner | None = None,
-) -> Walk:
-    """Every node's strategy for one rank of a ``p``-way group; the graph is not changed.
-
-    ``fixed`` holds parameter placements decided earlier (the model's shards exist);
-    the others are decided here (``result.params``). ``inputs``: the graph is a region's
-    body, its non-parameter inputs so placed; ``regions`` plans the region calls it makes
-    (without one, a call reads its operands whole: exact, listed as a fallback).
-    """
-    role: dict[str, str] = {}
-    for b in bottlenecks:
-        role[b.down_node] = "down"
-        role[b.up_node] = "up"
-    args = (graph, param_names, role, p, group, rank)
+def plan_graph(graph: fx.Graph, request: PlanRequest) -> Walk:
+    """Every node's strategy for one rank (``request``); the graph is not changed."""
     model = CostModel.for_device(_device(graph))
-    first = Walk(*args, fixed or {}, vocab_parallel, model, inputs, regions)
+    first = Walk(graph, request, model)
     first.run()
     if not first.stale:
         return first
     # Every parameter is fixed now: plan again, so that early readers see the shards.
-    second = Walk(*args, first.fixed, vocab_parallel, model, inputs, regions)
+    second = Walk(graph, dataclasses.replace(request, fixed=first.fixed), model)
     second.run()
     second.result.decisions = first.result.decisions
     second.result.params = {k: first.result.params[k] for k in first.result.params}
