@@ -83,10 +83,11 @@ def test_predictions_tiny() -> None:
     boost = bench.predict("boost", TINY, 2)
     fwd_stats = 2 if boost["formula"] in ("boost", "btp") else 0
     # L x 7r latents (+ 2 norm statistics), the vocabulary-parallel head's all-gather
-    # [b, s, d], final-norm stats, and the loss's max + [sum exp, target] per shifted token
+    # [b, s, d], final-norm stats, and the loss's all-gathered [log-sum-exp, target term]
+    # per shifted token from each of the 2 ranks
     loss_tokens = TINY.batch * (TINY.seq - 1)
     assert boost["fwd_bytes"] == (
-        L * t * (7 * r + fwd_stats) * 4 + t * d * 4 + t * 4 + loss_tokens * 3 * 4
+        L * t * (7 * r + fwd_stats) * 4 + t * d * 4 + t * 4 + loss_tokens * 2 * 2 * 4
     )
     # backward: L x 7r latents (+ stats), final-norm stats, the head input's gradient [b, s, d]
     bwd_stats = 2 if boost["formula"] == "btp" else 0

@@ -95,6 +95,18 @@ def test_final_stage_equals_the_parallelize_plan(explained: Report) -> None:
     }
 
 
+def test_the_loss_is_one_statistics_gather(explained: Report) -> None:
+    """The vocabulary-parallel loss, as explain lists it: one forward all-gather of every
+    rank's [log-sum-exp, target term] per shifted token, nothing backward."""
+    final = explained.final()
+    assert final is not None
+    loss = [r.collective for r in final.collectives if r.collective.reason.startswith("loss")]
+    tokens = 2 * 15  # cola_llama_tiny: batch 2, seq 16, shifted
+    assert [(c.kind, tuple(c.global_shape), c.forward, c.backward) for c in loss] == [
+        ("all_gather", (2 * tokens, 2), True, False)
+    ], loss
+
+
 def _dot_nodes(text: str, css_class: str) -> list[str]:
     """The statements of DOT nodes whose ``class`` attribute holds ``css_class``."""
     pattern = re.compile(rf'class="[^"]*\b{css_class}\b[^"]*"')

@@ -153,8 +153,9 @@ def test_hf_llama_runs_boost_collectives(two: dict) -> None:
     Counted on the wire (gloo events of the second training step) on every rank
     of the 2-rank Llama: per block 4 forward all-reduces (norm statistic + q/k/v
     latents, o, norm statistic + gate/up latents, down) and 4 backward ones; the
-    final norm adds one each way; the vocabulary-parallel loss two forward (max,
-    then [sum exp, target]) and its head one backward (the head input's gradient).
+    final norm adds one each way; the vocabulary-parallel loss one all-gather forward
+    (every rank's [N, 2] log-sum-exp and target term) and its head one all-reduce
+    backward (the head input's gradient).
     Gathered: the LM head's input, the logits HF returns, and the keys and values
     HF returns as its cache (``use_cache`` defaults on).
     """
@@ -162,11 +163,11 @@ def test_hf_llama_runs_boost_collectives(two: dict) -> None:
         fwd, gathers = _wire(r, "fwd")
         bwd, bwd_gathers = _wire(r, "bwd")
         print(r["rank"], fwd, bwd, gathers)
-        assert len(fwd) == 4 * 2 + 1 + 2 and len(bwd) == 4 * 2 + 1 + 1, (fwd, bwd)
+        assert len(fwd) == 4 * 2 + 1 and len(bwd) == 4 * 2 + 1 + 1, (fwd, bwd)
         # the fused payloads: even latent widths + 1 statistic (the final norm's: [b, s, 1])
         fused = [s for s in fwd if s[-1] % 2 == 1 and s[-1] > 1]
         assert len(fused) == 2 * 2, fwd  # the two norms' statistics ride in the latents'
-        assert gathers == 2 + 2 * 2 and bwd_gathers == 0
+        assert gathers == 2 + 2 * 2 + 1 and bwd_gathers == 0  # + 1: the loss's statistics
         # and what ran is what the plan promised, payload by payload
         planned = [c[4] for c in r["collectives"] if c[0] == "all_reduce" and c[2]]
         assert sorted(fwd) == sorted(planned), (fwd, planned)
@@ -288,9 +289,9 @@ def test_padded_training_without_cache_gathers_only_the_head_input(two: dict) ->
     """``use_cache=False`` (training): no keys or values leave the model, so the only
     forward all-gathers on the wire are the LM head's input and the logits HF returns
     (with the cache: one more per K and V); the all-reduces are those of the unpadded
-    batch (with the vocabulary-parallel loss's two forward and its head's one backward)."""
+    batch (with its head's one backward: the vocabulary-parallel loss only all-gathers)."""
     for r in _ok(two, "llama/padded"):
         fwd, gathers = _wire(r, "fwd")
         bwd, _ = _wire(r, "bwd")
-        assert gathers == 2, r["wire_fwd"]
-        assert len(fwd) == 4 * 2 + 1 + 2 and len(bwd) == 4 * 2 + 1 + 1, (fwd, bwd)
+        assert gathers == 2 + 1, r["wire_fwd"]  # + the loss's [N, 2] statistics
+        assert len(fwd) == 4 * 2 + 1 and len(bwd) == 4 * 2 + 1 + 1, (fwd, bwd)

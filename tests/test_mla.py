@@ -160,8 +160,7 @@ def _ran(family: str, options: dict | None = None):
 LATENTS = COLA_Q + KV_LORA + ROPE  # q's narrowest point (its CoLA rank) and kv_a's output
 TAIL = [  # the final norm, the head's input and the returned logits (local halves), the loss
     ("all_reduce", (B, S, 1)), ("all_gather_into_tensor", (B, S, 32)),
-    ("all_gather_into_tensor", (B, S, VOCAB // 2)), ("all_reduce", (B * S,)),
-    ("all_reduce", (B * S, 2)),
+    ("all_gather_into_tensor", (B, S, VOCAB // 2)), ("all_gather_into_tensor", (B * S, 2)),
 ]  # fmt: skip
 
 

@@ -165,12 +165,13 @@ def test_group_linears_and_online_norm_change_no_number(two: dict) -> None:
         wire = {k: _counts(v) for k, v in r["wire"].items()}
         print(wire)
         # default: per layer 4 all-reduces each way (+ the final norm's), one gather forward;
-        # the vocabulary-parallel loss adds 2 forward (a max, then [sum exp, target]) and
-        # its head 1 backward (the gradient of the gathered hidden sums the vocab shards')
-        assert wire["on_fwd"] == {"all_reduce": 4 * n + 1 + 2, "all_gather": 1}
+        # the vocabulary-parallel loss adds 1 all-gather forward (every rank's [N, 2]
+        # log-sum-exp and target term) and its head 1 all-reduce backward (the gradient of
+        # the gathered hidden sums the vocab shards')
+        assert wire["on_fwd"] == {"all_reduce": 4 * n + 1, "all_gather": 1 + 1}
         assert wire["on_bwd"] == {"all_reduce": 4 * n + 1 + 1, "all_gather": 0}
         # BTP alone: one per down factor (7) and per norm (2), each way
-        assert wire["off_fwd"] == {"all_reduce": 9 * n + 1 + 2, "all_gather": 1}
+        assert wire["off_fwd"] == {"all_reduce": 9 * n + 1, "all_gather": 1 + 1}
         assert wire["off_bwd"] == {"all_reduce": 9 * n + 1 + 1, "all_gather": 0}
 
 

@@ -172,17 +172,20 @@ def test_inductor_graphs_hold_exactly_the_planned_collectives() -> None:
     per_layer_fwd = [(b, s, 3 * r + 1), (b, s, r), (b, s, 2 * r + 1), (b, s, r)]
     per_layer_bwd = [(b, s, 3 * r), (b, s, r), (b, s, 2 * r), (b, s, r)]
     # + the final norm's statistics (it feeds the LM head's gather, not a down factor),
-    # and the vocabulary-parallel loss: a max, then [sum exp, target logit], per shifted
-    # token; backward: the head input's gradient (each rank holds part of the vocabulary),
+    # and the vocabulary-parallel loss: one all-gather of every rank's [log-sum-exp, target
+    # term] per shifted token (the input of each: this rank's [tokens, 2]); backward: the head input's gradient (each rank holds part of the vocabulary),
     # reduce-scattered onto the hidden shards (d-major: the scatter splits dim 0).
     tokens = b * (s - 1)
     assert sorted(p for k, p in fwd if k == "all_reduce") == sorted(
-        per_layer_fwd * layers + [(b, s, 1), (tokens,), (tokens, 2)]
+        per_layer_fwd * layers + [(b, s, 1)]
     )
     assert sorted(p for k, p in bwd if k == "all_reduce") == sorted(
         per_layer_bwd * layers + [(b, s, 1)]
     )
-    assert [c for c in fwd if c[0] == "all_gather"] == [("all_gather", (b, s, d // 2))]
+    assert [c for c in fwd if c[0] == "all_gather"] == [
+        ("all_gather", (b, s, d // 2)),
+        ("all_gather", (tokens, 2)),
+    ]
     assert not [c for c in bwd if c[0] == "all_gather"]
     assert [c for c in bwd if c[0] == "reduce_scatter"] == [("reduce_scatter", (d, b, s))]
     assert not [c for c in fwd if c[0] == "reduce_scatter"]

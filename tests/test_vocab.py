@@ -59,6 +59,22 @@ def _vocabulary_on_the_wire(wire: list, vocab: int, ids_shape: list, logits_out:
     assert wide == ([("gloo:all_gather", False)] if logits_out else []), (wide, wire)
 
 
+def _loss_on_the_wire(wire: list, ids_shape: list) -> None:
+    """The loss's collectives: one all-gather of this rank's ``[N, 2]`` statistics (the
+    online softmax's log-sum-exp and target term) forward, none backward.
+
+    Its collectives are the per-token ones: a payload ``[N]`` or ``[N, k]`` over the
+    ``N`` (shifted or not) tokens; the head's own gather is ``[b, s, d/p]``. Megatron's
+    and torchtitan's ``loss_parallel`` run three (max, sum of exponentials, target).
+    """
+    b, s = ids_shape
+    per_token = [(name, shape, back) for name, shape, _, back in wire
+                 if len(shape) <= 2 and shape and shape[0] in (b * s, b * (s - 1))]  # fmt: skip
+    assert len(per_token) == 1, (per_token, wire)
+    name, shape, back = per_token[0]
+    assert name == "gloo:all_gather" and shape[1:] == [2] and not back, per_token
+
+
 @pytest.mark.parametrize("key", [c[0] for c in CHECKS])
 def test_vocabulary_parallel_head_is_exact(two: dict, key: str) -> None:
     res = result_of(two, key)
@@ -74,6 +90,8 @@ def test_vocabulary_parallel_head_is_exact(two: dict, key: str) -> None:
         _vocabulary_on_the_wire(
             r["wire"], r["vocab"], r["ids_shape"], key.startswith(("hf/", "gpt2"))
         )
+        if not key.startswith("gpt2"):  # GPT-2's loss is outside the model: one device's
+            _loss_on_the_wire(r["wire"], r["ids_shape"])
         if "tied" in key:  # the lookup's reduce-scatter (gloo runs it as an all-reduce of
             # the d-major [d, b, s] partial) and its backward all-gather of [b, s, d/p]
             b, s = r["ids_shape"]  # both tied models have d = 64

@@ -72,6 +72,11 @@ def all_reduces(sizes: Iterable[float], p: int) -> Cost:
     return total(Cost(all_reduce(n, p), 1, logical=n) for n in sizes)
 
 
+def gathers(sizes: Iterable[float], p: int) -> Cost:
+    """A call's own all-gathers of these byte sizes (their gathered results)."""
+    return total(Cost(gather(n, p), 1, logical=n) for n in sizes)
+
+
 def per_token(v: Any, width: int) -> float:
     """Bytes of fp32 ``[..., width]`` per token of ``v`` (a norm's or a loss's statistics)."""
     if not isinstance(v, torch.Tensor) or v.dim() == 0:

@@ -1,10 +1,10 @@
 """Shard-aware replacements the sharding pass puts into graphs.
 
 Each takes the local shard of the last dimension and returns exactly what the
-single-device op returns for that shard, using a small all-reduce of per-token
-statistics. They are plain Python functions called from FX nodes: AOTAutograd
-traces through them, so their collectives appear in the forward and backward
-graphs like any other functional collective.
+single-device op returns for that shard, using a small all-reduce (for the loss,
+all-gather) of per-token statistics. They are plain Python functions called from
+FX nodes: AOTAutograd traces through them, so their collectives appear in the
+forward and backward graphs like any other functional collective.
 """
 
 from __future__ import annotations
@@ -225,16 +225,12 @@ def online_layer_norm_reduce(
     return out
 
 
-def _per_token(node: fx.Node, width: tuple[int, ...]) -> tuple[tuple[Any, ...], torch.dtype]:
-    """fp32 ``[N, *width]`` for the ``[N, V/p]`` logits of a vocabulary-parallel loss."""
-    return (value_of(node.args[0]).shape[0], *width), torch.float32
+def _loss_statistics(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype]:
+    """fp32 ``[p*N, 2]``: every rank's ``[N, 2]`` loss statistics, gathered."""
+    return (node.args[7] * value_of(node.args[0]).shape[0], 2), torch.float32
 
 
-@communicates(
-    Comm("all_reduce", True, False, lambda n: _per_token(n, ()), "loss max"),
-    Comm("all_reduce", True, False, lambda n: _per_token(n, (3 if n.args[4] else 2,)),
-         "loss statistics"),
-)  # fmt: skip
+@communicates(Comm("all_gather", True, False, _loss_statistics, "loss statistics"))
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -249,33 +245,39 @@ def vocab_parallel_cross_entropy(
     """``F.cross_entropy(logits_full, target, ...)`` from this rank's vocabulary columns.
 
     ``logits`` is ``[N, V/p]``: columns ``[rank*V/p, (rank+1)*V/p)`` of the full
-    ``[N, V]``. Per token, the loss needs only three numbers over the whole
-    vocabulary: the max (a stabiliser: detached, the log-sum-exp does not depend
-    on it), the sum of exponentials and the target's logit (plus the sum of
-    logits with label smoothing). They are one max all-reduce and one sum
-    all-reduce of ``[N, 2 or 3]``; the backward (softmax minus one-hot, on the
-    local columns) needs no collective at all. Statistics in fp32; the result in
-    the logits' dtype, as torch's. Matches torch's definition of label smoothing
-    (``(1-e) * nll + e * mean_c(-log p_c)``) and of ``mean`` with ignored targets
-    (divided by the number of targets that are not ignored).
+    ``[N, V]``. An online softmax: in one pass over its columns each rank computes,
+    per token, its local log-sum-exp and its part of the target term (the target's
+    logit if it holds it, ``(1-e) z_t + e * sum_c z_c / V`` with label smoothing
+    ``e``); one all-gather of these ``[N, 2]`` and a stable log-sum-exp over the
+    ranks give the loss. The gathered statistics are constants except this rank's
+    own row, which stays the live local value: the loss's gradient with respect to
+    this rank's logits flows only through it, so the backward (the global softmax
+    minus the one-hot, smoothed) is local with no collective. Statistics in fp32;
+    the result in the logits' dtype, as torch's. Matches torch's definition of
+    label smoothing (``(1-e) * nll + e * mean_c(-log p_c)``) and of ``mean`` with
+    ignored targets (divided by the number of targets that are not ignored).
     """
     from .collectives import _c10d
 
     z = _acc(logits)
     part = z.shape[-1]
     lo = rank * part
-    m = _c10d.wait_tensor(_c10d.all_reduce(z.detach().amax(-1).contiguous(), "max", group))
-    local = [torch.exp(z - m.unsqueeze(-1)).sum(-1)]
+    # A stabiliser only (detached: the log-sum-exp does not depend on it); a shard
+    # of -inf logits keeps 0, so its log-sum-exp is -inf and not NaN.
+    m = z.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    lse_local = torch.log(torch.exp(z - m).sum(-1)) + m.squeeze(-1)
     inside = (target >= lo) & (target < lo + part)
     idx = (target - lo).clamp(0, part - 1).unsqueeze(-1)
-    local.append(z.gather(-1, idx).squeeze(-1) * inside)
+    picked = torch.where(inside, z.gather(-1, idx).squeeze(-1), torch.zeros_like(lse_local))
     if label_smoothing:
-        local.append(z.sum(-1))
-    stats = reduce_from_tp(torch.stack(local, -1), group)
-    lse = torch.log(stats[..., 0]) + m
-    loss = lse - stats[..., 1]
-    if label_smoothing:
-        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - stats[..., 2] / vocab)
+        picked = (1 - label_smoothing) * picked + label_smoothing / vocab * z.sum(-1)
+    local = torch.stack([lse_local, picked], -1)
+    every = _c10d.wait_tensor(
+        _c10d.all_gather_into_tensor(local.detach().contiguous(), world, group)
+    ).view(world, *local.shape)
+    every = torch.cat([every[:rank], local.unsqueeze(0), every[rank + 1 :]])
+    loss = torch.logsumexp(every[..., 0], 0) - every[..., 1].sum(0)
     valid = target != ignore_index
     loss = torch.where(valid, loss, torch.zeros_like(loss)).to(logits.dtype)
     if reduction == "none":

@@ -6,7 +6,8 @@ the head's logits reach ``F.cross_entropy`` in the graph, the head is split on
 the vocabulary instead: each rank computes ``[.., V/p]`` logits from the full
 hidden, the views in between (HF's shift, ``.float()``, ``.view(-1, V)``) keep
 the vocabulary shard, and the loss is :func:`tp_ops.vocab_parallel_cross_entropy`
-(per-token statistics only; no ``[.., V]`` collective in either direction).
+(an online softmax: one all-gather of ``[N, 2]`` per-token statistics forward, no
+collective backward, no ``[.., V]`` collective in either direction).
 Where the logits also leave the graph (HF returns them with the loss), they
 are all-gathered once at the output, which this module weighs against the
 replicated head before choosing; the choice and its reason go into the plan.
@@ -124,9 +125,9 @@ def cross_entropy(ctx: RuleContext, node: fx.Node) -> Strategy:
         float(args.get("label_smoothing", 0.0)), vocab, ctx.rank, ctx.p, ctx.group,
     ))  # fmt: skip
     s = Strategy(out=R, call=call).read(target, R)
-    # The max and the sum statistics, all-reduced forward; the backward is local.
-    stats = [cost.per_token(value_of(x), 1), cost.per_token(value_of(x), 3 if call.args[4] else 2)]
-    s.cost = cost.all_reduces(stats, ctx.p)
+    # Every rank's [N, 2] statistics (log-sum-exp, target term), all-gathered forward;
+    # the backward is local.
+    s.cost = cost.gathers([ctx.p * cost.per_token(value_of(x), 2)], ctx.p)
     return s
 
 
