@@ -16,6 +16,7 @@ from tests.tp_harness import RTOL, run_world
 PAIRS = {
     "square": "pow2",
     "torch_square": "pow2",
+    "view_as": "view",
 }
 NAMES = sorted({*PAIRS, *PAIRS.values()})
 LOWERINGS = {"eager": None, "compiled": "eager", "inductor": "inductor"}

@@ -83,6 +83,7 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "embedding": (F.embedding,),
     # views and layout
     "view": ("view",),
+    "view_as": ("view_as",),
     "reshape": (torch.reshape, "reshape"),
     "flatten": (torch.flatten, "flatten"),
     "transpose": ("transpose",),

@@ -1,4 +1,4 @@
-"""Sharding rules of views and layout ops: view/reshape/flatten, transpose/permute/unsqueeze, expand.
+"""Sharding rules of views and layout ops: view/reshape/flatten/view_as, transpose/permute, expand.
 
 Invariant: a view moves no values between ranks, so a shard stays a shard,
 on the dim the view maps it to (:func:`~boost_compiler.tp.placement.shard_through_view`),
@@ -10,6 +10,7 @@ it falls back. Every rule here reads one tensor, so it only runs on a shard.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from ...errors import ShardingError
@@ -57,6 +58,37 @@ def view(ctx: RuleContext, node: fx.Node) -> Strategy:
     elif not (isinstance(new_sizes[k], int) and new_sizes[k] == -1):
         return fallback()
     return Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
+
+
+@rule("view_as")
+def view_as(ctx: RuleContext, node: fx.Node) -> Strategy:
+    """``x.view_as(other)``: a view to ``other``'s shape, the shard moved as by ``view``.
+
+    ``other`` sharded the same way already has the local shape (the call stays); a
+    replicated ``other`` (``y.view_as(x)`` merging heads back into the hidden of the
+    residual stream) gives the local shape with the shard dim kept (:func:`view_as_shard`).
+    """
+    x, other = node.args[0], node.args[1]
+    pl = ctx.placement(x)
+    src, dst = shape_of(x), shape_of(node)
+    moved = shard_through_view(src, dst, pl.dim, ctx.p) if not pl.blocks else None
+    if moved is None or moved[1] % ctx.p:
+        return fallback()
+    k = moved[0]
+    held = ctx.placement(other)
+    if held == S(k):
+        return Strategy(out=S(k))
+    if held != R:
+        return fallback()
+    # ``other``'s values are never read: nothing to gather or differentiate through.
+    return Strategy(out=S(k), call=Call(view_as_shard, (x, other, k)), copy_in=False)
+
+
+def view_as_shard(x: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` (a shard) viewed as ``like``'s shape with dim ``dim`` left to ``x``'s size."""
+    sizes = list(like.shape)
+    sizes[dim] = -1
+    return x.view(sizes)
 
 
 def _with_args(node: fx.Node, args: tuple) -> Call:
