@@ -17,6 +17,7 @@ PAIRS = {
     "square": "pow2",
     "torch_square": "pow2",
     "view_as": "view",
+    "mT": "transpose",
 }
 NAMES = sorted({*PAIRS, *PAIRS.values()})
 LOWERINGS = {"eager": None, "compiled": "eager", "inductor": "inductor"}

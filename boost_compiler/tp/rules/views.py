@@ -150,13 +150,25 @@ def open_weight_transpose(ctx: RuleContext, node: fx.Node) -> Strategy:
 
 @rule("t")
 def transpose_2d(ctx: RuleContext, node: fx.Node) -> Strategy:
-    """``x.t()``/``x.T`` of a shard: a 2-D tensor's shard moves to the other dim."""
+    """``x.t()``/``x.T``/``x.mT`` of a shard: a 2-D tensor's shard moves to the other dim.
+
+    On more dims ``x.mT`` swaps the last two (``q @ k.mT``, attention scores) and
+    ``x.T`` reverses every dim: a view either way, the shard follows its dim.
+    """
     x = node.args[0]
     pl = ctx.placement(x)
     nd = len(shape_of(x) or ())
-    if pl.blocks or nd > 2:
+    if pl.blocks:
         return fallback()
-    return Strategy(out=S(1 - pl.dim) if nd == 2 else pl)
+    if nd <= 2:
+        return Strategy(out=S(1 - pl.dim) if nd == 2 else pl)
+    attr = node.args[1] if node.target is getattr and len(node.args) == 2 else node.target
+    if attr == "mT":
+        swap = {nd - 1: nd - 2, nd - 2: nd - 1}
+        return Strategy(out=S(swap.get(pl.dim, pl.dim)))
+    if attr == "T":
+        return Strategy(out=S(nd - 1 - pl.dim))
+    return fallback()  # ``x.t()`` of more than 2 dims is torch's error
 
 
 @rule("view_as_complex", "view_as_real")
