@@ -22,6 +22,7 @@ from torch import nn
 from tests import tp_harness as H
 
 D, HEADS, HD, R, V, LAYERS = 64, 4, 16, 16, 256, 2
+ROPE = HD  # litgpt's rope_n_elem at rotary_percentage=1.0
 _BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
 
@@ -60,6 +61,15 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
     return x * ang.cos() + torch.cat((-x2, x1), dim=-1) * ang.sin()
 
 
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding on interleaved pairs of the last dim, in complex form (Meta's Llama)."""
+    n, s = x.shape[-1], x.shape[-2]
+    inv = 1.0 / (10000 ** (torch.arange(0, n, 2, dtype=torch.float32) / n))
+    freqs = torch.polar(torch.ones(s, n // 2), torch.outer(torch.arange(s).float(), inv))
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x)
+
+
 class Attention(nn.Module):
     """Causal attention with ``n_kv`` key/value heads, the pattern picked by ``how``.
 
@@ -82,9 +92,11 @@ class Attention(nn.Module):
         q = q.view_as(torch.empty(b, s, HEADS, HD)) if how == "view_as" else q.view(b, s, HEADS, HD)
         q = q.transpose(1, 2)
         k, v = (t.view(b, s, n_kv, HD).transpose(1, 2) for t in (k, v))
-        if how == "rope_slice":
-            q = torch.cat((_rotate(q[..., :HD]), q[..., HD:]), dim=-1)
-            k = torch.cat((_rotate(k[..., :HD]), k[..., HD:]), dim=-1)
+        if how == "rope_slice":  # rotary on the first ROPE of each head: here all of it
+            q = torch.cat((_rotate_pairs(q[..., :ROPE]), q[..., ROPE:]), dim=-1)
+            k = torch.cat((_rotate_pairs(k[..., :ROPE]), k[..., ROPE:]), dim=-1)
+        elif how == "rope_whole":
+            q, k = _rotate_pairs(q), _rotate_pairs(k)
         else:
             q, k = _rotate(q), _rotate(k)
         rep = HEADS // n_kv

@@ -18,6 +18,7 @@ PAIRS = {
     "torch_square": "pow2",
     "view_as": "view",
     "mT": "transpose",
+    "rope_slice_mqa": "rope_whole_mqa",
 }
 NAMES = sorted({*PAIRS, *PAIRS.values()})
 LOWERINGS = {"eager": None, "compiled": "eager", "inductor": "inductor"}
