@@ -97,8 +97,9 @@ class Attention(nn.Module):
             k = torch.cat((_rotate_pairs(k[..., :ROPE]), k[..., ROPE:]), dim=-1)
         elif how == "rope_whole":
             q, k = _rotate_pairs(q), _rotate_pairs(k)
-        else:
-            q, k = _rotate(q), _rotate(k)
+        else:  # a single kv head may be split on its head dim: pairs stay local there
+            rotate = _rotate if n_kv == HEADS else _rotate_pairs
+            q, k = rotate(q), rotate(k)
         rep = HEADS // n_kv
         gqa = {}
         if how == "expand":  # only for n_kv == 1
@@ -151,7 +152,10 @@ LAYER: dict[str, Callable[[], nn.Module]] = {
     "mqa_expand": lambda: Attention("expand", n_kv=1),
     "mqa_repeat_interleave": lambda: Attention("repeat_interleave", n_kv=1),
     "mqa_repeat_kv": lambda: Attention("repeat_kv", n_kv=1),
+    "mqa_gqa": lambda: Attention("gqa", n_kv=1),
     "gqa2_repeat_kv": lambda: Attention("repeat_kv", n_kv=2),
+    "gqa2_repeat_interleave": lambda: Attention("repeat_interleave", n_kv=2),
+    "gqa2": lambda: Attention("gqa", n_kv=2),
 }
 
 

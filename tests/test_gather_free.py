@@ -19,6 +19,12 @@ PAIRS = {
     "view_as": "view",
     "mT": "transpose",
     "rope_slice_mqa": "rope_whole_mqa",
+    # One kv head (n_kv < p) repeated to every query head, against attention reading the
+    # unexpanded head (sdpa's enable_gqa): the bound is gathering that head, not its copies.
+    "mqa_expand": "mqa_gqa",
+    "mqa_repeat_interleave": "mqa_gqa",
+    "mqa_repeat_kv": "mqa_gqa",
+    "gqa2_repeat_kv": "gqa2",
 }
 NAMES = sorted({*PAIRS, *PAIRS.values()})
 LOWERINGS = {"eager": None, "compiled": "eager", "inductor": "inductor"}

@@ -10,12 +10,15 @@ it falls back. Every rule here reads one tensor, so it only runs on a shard.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
 from ...errors import ShardingError
 from ...ir.op_table import op_kind
-from ...ir.ops import shape_of, weight_step
+from ...ir.ops import shape_of, value_of, weight_step
+from .. import plan_cost as cost
 from ..placement import R, S, shard_through_view
 from ..strategy import Call, RuleContext, Strategy, fallback
 from .core import describe
@@ -189,14 +192,15 @@ def complex_view(ctx: RuleContext, node: fx.Node) -> Strategy:
 
 
 @rule("expand")
-def expand(ctx: RuleContext, node: fx.Node) -> Strategy:
+def expand(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     """``expand`` broadcasts size-1 dims and adds leading ones; a sharded dim keeps its size.
 
     HF's ``repeat_kv`` (``kv[:, :, None].expand(b, h_kv, n_rep, s, d)``, then a
     reshape merging ``h_kv * n_rep``) is the case that matters: the sharded
     kv-head dim is never a size-1 dim (a shard of size 1 globally cannot
     divide), so it is not broadcast, and its target size becomes -1 ("keep"),
-    which is the local size on every rank.
+    which is the local size on every rank. Fewer kv heads than ranks split the
+    head dim instead: see :func:`_or_gathered_first`.
     """
     x = node.args[0]
     pl = ctx.placement(x)
@@ -207,15 +211,69 @@ def expand(ctx: RuleContext, node: fx.Node) -> Strategy:
         return fallback()
     new_sizes = list(sizes)
     new_sizes[k] = -1
-    return Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
+    kept = Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
+    return _or_gathered_first(ctx, node, kept)
 
 
 @rule("repeat_interleave")
-def repeat_interleave(ctx: RuleContext, node: fx.Node) -> Strategy:
+def repeat_interleave(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     """Along any dim of a plain shard: along the head dim, local kv head ``j`` serves
     local q heads ``[j*n_rep, (j+1)*n_rep)``, so contiguous head blocks stay aligned."""
     pl = ctx.placement(node.args[0])
     dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
     if pl.blocks or dim is None:
         return fallback()
-    return Strategy(out=pl)
+    return _or_gathered_first(ctx, node, Strategy(out=pl))
+
+
+# Ops between a key/value expansion and the attention that reads it (they move no values).
+_KV_PATH = ("view", "reshape", "flatten", "transpose", "permute", "t", "contiguous",
+            "unsqueeze", "expand", "repeat_interleave", "cast")  # fmt: skip
+_ATTENTION = ("sdpa", "matmul", "bmm")
+
+
+def _or_gathered_first(
+    ctx: RuleContext, node: fx.Node, kept: Strategy
+) -> Strategy | list[Strategy]:
+    """``kept``, or with the alternative of gathering the input before it is repeated.
+
+    Fewer key/value heads than ranks (multi-query attention's one) cannot split on the
+    heads: the projection splits each head's dim, and the attention, whose queries are
+    split on the heads, must gather the keys and values whole. Gathered after the
+    expansion to every query head that sends ``n_head / n_kv`` times the bytes of
+    gathering the kv heads themselves, so the planner weighs both: ``kept`` charged with
+    its attention's gather of the expansion, against gathering the input first (the
+    attention then slices the replicated expansion to its heads, no communication).
+    Offered only where a split last (head) dim reaches attention through views alone.
+    """
+    x = node.args[0]
+    src, out = shape_of(x), shape_of(node)
+    pl = ctx.placement(x)
+    if (
+        src is None or out is None or pl.blocks or pl.dim != len(src) - 1
+        or out[-1] != src[-1] or math.prod(out) <= math.prod(src)
+        or not _reaches_attention_only(node)
+    ):  # fmt: skip
+        return kept
+    kept.cost = cost.conversion(value_of(node), kept.out, R, ctx.p)
+    kept.label = "split head dim kept (the attention gathers the expansion)"
+    first = Strategy(out=R, whole=True, label="gathered before the expansion")
+    return [kept, first]
+
+
+def _reaches_attention_only(node: fx.Node) -> bool:
+    """Every path from ``node`` runs through :data:`_KV_PATH` ops into an attention op."""
+    seen, todo, found = set(), list(node.users), False
+    while todo:
+        user = todo.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        kind = op_kind(user)
+        if kind in _ATTENTION:
+            found = True
+        elif kind in _KV_PATH and user.args and user.args[0] in seen | {node}:
+            todo.extend(user.users)
+        else:
+            return False
+    return found
