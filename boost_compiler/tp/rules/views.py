@@ -5,7 +5,11 @@ on the dim the view maps it to (:func:`~boost_compiler.tp.placement.shard_throug
 and the call is rewritten to the local shape: a size argument on the shard dim
 is divided by ``p`` (or becomes ``-1``, "keep"). A view that would split a
 rank's block across output dims, or merge it with a leading dim, is not local:
-it falls back. Every rule here reads one tensor, so it only runs on a shard.
+it falls back. Every rule here reads one tensor (``view_as`` reads only the other's
+shape), so it only runs on a shard. The
+one exception to "no values move": a key/value head split on its head dim and
+repeated to every query head may be gathered before the repetition instead, where
+the planner finds that cheaper than its attention gathering the copies.
 """
 
 from __future__ import annotations
