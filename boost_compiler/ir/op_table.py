@@ -83,10 +83,12 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "embedding": (F.embedding,),
     # views and layout
     "view": ("view",),
+    "view_as": ("view_as",),
     "reshape": (torch.reshape, "reshape"),
     "flatten": (torch.flatten, "flatten"),
     "transpose": ("transpose",),
-    # The three agree on the 2-D weights, the only place the compiler reads them.
+    # The three agree on the 2-D weights (the compiler reads no other ``t``); on more
+    # dims ``mT`` swaps the last two and ``T`` reverses them all (``rules/views.py``).
     "t": ("t", "T", "mT"),
     "permute": ("permute",),
     "unsqueeze": ("unsqueeze",),

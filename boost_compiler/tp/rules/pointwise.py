@@ -22,7 +22,7 @@ from .core import aligned, tensor_inputs
 from .registry import rule
 
 ELEMENTWISE = (
-    "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "exp",
+    "add", "sub", "mul", "div", "neg", "pow", "square", "rsqrt", "exp",
     "sigmoid", "tanh", "relu", "silu", "gelu", "leaky_relu",
     "gt", "lt", "ge", "le", "eq", "ne", "where", "masked_fill",
     "clone", "detach", "contiguous", "cast", "type_as",

@@ -71,7 +71,6 @@ _BLOCK_READERS: set[str] = set()
 # Kinds the op table knows that deliberately have no rule (sharded input: gathered).
 _DETECTION_ONLY = "element-wise, read by bottleneck detection; pointwise.ELEMENTWISE would take it"
 UNSUPPORTED: dict[str, str] = {
-    "square": "read inside the written-out RMS norm only",
     "elu": _DETECTION_ONLY,
     "mish": _DETECTION_ONLY,
     "hardswish": _DETECTION_ONLY,

@@ -79,7 +79,7 @@ def getitem(ctx: RuleContext, node: fx.Node) -> Strategy:
     if pl.blocks:
         return _getitem_block(ctx, node, src, idx, pl)
     nd = len(shape_of(src))
-    k = _dim_after_index(idx, pl.dim, nd)
+    k = _dim_after_index(_whole_or_empty(idx, shape_of(src), pl.dim), pl.dim, nd)
     if k is None:
         # One replicated integer index tensor on another dim (a MoE block's
         # ``hidden[token_ids]``): every rank gathers the same rows of its own
@@ -95,6 +95,40 @@ def getitem(ctx: RuleContext, node: fx.Node) -> Strategy:
         if gathered is not None:
             return Strategy(out=R, reads={src: Read(R, via=gathered)})
     return Strategy(out=S(k))
+
+
+def _whole_or_empty(idx: tuple[Any, ...], shape: tuple[Any, ...], dim: int) -> tuple[Any, ...]:
+    """``idx`` with a slice of dim ``dim`` that keeps all of it, or none of it, as ``:``.
+
+    Both are local on a shard of that dim, with the index unchanged: ``k[..., :n]`` with
+    ``n`` the whole (global) size keeps every local element too, ``k[..., n:]`` keeps
+    none on any rank (litgpt's rotary ``x[..., :rope_n_elem]`` and the empty rest, at a
+    rotary fraction of 1). Any other slice of the shard dim differs per rank.
+    """
+    nd, full = len(shape), shape[dim]
+    n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
+    at = src = 0
+    for j, i in enumerate(idx):
+        if i is Ellipsis:
+            src += nd - n_real
+            continue
+        if i is None:
+            continue
+        if src == dim:
+            at = j
+            break
+        src += 1
+    else:
+        return idx
+    i = idx[at]
+    if not isinstance(i, slice) or i.step not in (None, 1) or not isinstance(full, int):
+        return idx
+    start, stop = i.start or 0, full if i.stop is None else i.stop
+    if not (isinstance(start, int) and isinstance(stop, int)) or start < 0 or stop < 0:
+        return idx
+    if (start == 0 and stop >= full) or start >= full:
+        return (*idx[:at], slice(None), *idx[at + 1 :])
+    return idx
 
 
 def _getitem_block(
@@ -142,9 +176,25 @@ def cat(ctx: RuleContext, node: fx.Node) -> Strategy:
         d = dim % nd
         s = Strategy(out=S(pl.dim + (1 if pl.dim >= d else 0)))
         return _shard_replicated(ctx, s, tensors, pl.dim)
+    alone = _only_nonempty(ctx, tensors, dim % nd)
+    if alone is not None:
+        return Strategy(out=alone)
     if len(shards) != 1 or (pl := next(iter(shards))).dim == dim % nd:
         return fallback()
     return _shard_replicated(ctx, Strategy(out=pl), tensors, pl.dim)
+
+
+def _only_nonempty(ctx: RuleContext, tensors: list[Any], dim: int) -> Placement | None:
+    """The placement of the one piece not empty along ``dim``, when it is a plain shard of
+    ``dim`` and every other piece is empty there (size 0 locally too, whatever its
+    placement): the join is that piece, on every rank (a rotary over the whole head
+    joined to the empty rest of it)."""
+    sizes = [(shape_of(t) or ())[dim : dim + 1] for t in tensors]
+    kept = [t for t, size in zip(tensors, sizes, strict=True) if size != (0,)]
+    if len(kept) != 1 or any(not size for size in sizes):
+        return None
+    pl = ctx.placement(kept[0])
+    return pl if pl.is_shard and pl.dim == dim and not pl.blocks else None
 
 
 def _shard_replicated(ctx: RuleContext, s: Strategy, tensors: list[Any], dim: int) -> Strategy:

@@ -1,20 +1,28 @@
-"""Sharding rules of views and layout ops: view/reshape/flatten, transpose/permute/unsqueeze, expand.
+"""Sharding rules of views and layout ops: view/reshape/flatten/view_as, transpose/permute, expand.
 
 Invariant: a view moves no values between ranks, so a shard stays a shard,
 on the dim the view maps it to (:func:`~boost_compiler.tp.placement.shard_through_view`),
 and the call is rewritten to the local shape: a size argument on the shard dim
 is divided by ``p`` (or becomes ``-1``, "keep"). A view that would split a
 rank's block across output dims, or merge it with a leading dim, is not local:
-it falls back. Every rule here reads one tensor, so it only runs on a shard.
+it falls back. Every rule here reads one tensor (``view_as`` reads only the other's
+shape), so it only runs on a shard. The
+one exception to "no values move": a key/value head split on its head dim and
+repeated to every query head may be gathered before the repetition instead, where
+the planner finds that cheaper than its attention gathering the copies.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.fx as fx
 
 from ...errors import ShardingError
 from ...ir.op_table import op_kind
-from ...ir.ops import shape_of, weight_step
+from ...ir.ops import shape_of, value_of, weight_step
+from .. import plan_cost as cost
 from ..placement import R, S, shard_through_view
 from ..strategy import Call, RuleContext, Strategy, fallback
 from .core import describe
@@ -57,6 +65,37 @@ def view(ctx: RuleContext, node: fx.Node) -> Strategy:
     elif not (isinstance(new_sizes[k], int) and new_sizes[k] == -1):
         return fallback()
     return Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
+
+
+@rule("view_as")
+def view_as(ctx: RuleContext, node: fx.Node) -> Strategy:
+    """``x.view_as(other)``: a view to ``other``'s shape, the shard moved as by ``view``.
+
+    ``other`` sharded the same way already has the local shape (the call stays); a
+    replicated ``other`` (``y.view_as(x)`` merging heads back into the hidden of the
+    residual stream) gives the local shape with the shard dim kept (:func:`view_as_shard`).
+    """
+    x, other = node.args[0], node.args[1]
+    pl = ctx.placement(x)
+    src, dst = shape_of(x), shape_of(node)
+    moved = shard_through_view(src, dst, pl.dim, ctx.p) if not pl.blocks else None
+    if moved is None or moved[1] % ctx.p:
+        return fallback()
+    k = moved[0]
+    held = ctx.placement(other)
+    if held == S(k):
+        return Strategy(out=S(k))
+    if held != R:
+        return fallback()
+    # ``other``'s values are never read: nothing to gather or differentiate through.
+    return Strategy(out=S(k), call=Call(view_as_shard, (x, other, k)), copy_in=False)
+
+
+def view_as_shard(x: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x`` (a shard) viewed as ``like``'s shape with dim ``dim`` left to ``x``'s size."""
+    sizes = list(like.shape)
+    sizes[dim] = -1
+    return x.view(sizes)
 
 
 def _with_args(node: fx.Node, args: tuple) -> Call:
@@ -118,13 +157,25 @@ def open_weight_transpose(ctx: RuleContext, node: fx.Node) -> Strategy:
 
 @rule("t")
 def transpose_2d(ctx: RuleContext, node: fx.Node) -> Strategy:
-    """``x.t()``/``x.T`` of a shard: a 2-D tensor's shard moves to the other dim."""
+    """``x.t()``/``x.T``/``x.mT`` of a shard: a 2-D tensor's shard moves to the other dim.
+
+    On more dims ``x.mT`` swaps the last two (``q @ k.mT``, attention scores) and
+    ``x.T`` reverses every dim: a view either way, the shard follows its dim.
+    """
     x = node.args[0]
     pl = ctx.placement(x)
     nd = len(shape_of(x) or ())
-    if pl.blocks or nd > 2:
+    if pl.blocks:
         return fallback()
-    return Strategy(out=S(1 - pl.dim) if nd == 2 else pl)
+    if nd <= 2:
+        return Strategy(out=S(1 - pl.dim) if nd == 2 else pl)
+    attr = node.args[1] if node.target is getattr and len(node.args) == 2 else node.target
+    if attr == "mT":
+        swap = {nd - 1: nd - 2, nd - 2: nd - 1}
+        return Strategy(out=S(swap.get(pl.dim, pl.dim)))
+    if attr == "T":
+        return Strategy(out=S(nd - 1 - pl.dim))
+    return fallback()  # ``x.t()`` of more than 2 dims is torch's error
 
 
 @rule("view_as_complex", "view_as_real")
@@ -145,14 +196,15 @@ def complex_view(ctx: RuleContext, node: fx.Node) -> Strategy:
 
 
 @rule("expand")
-def expand(ctx: RuleContext, node: fx.Node) -> Strategy:
+def expand(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     """``expand`` broadcasts size-1 dims and adds leading ones; a sharded dim keeps its size.
 
     HF's ``repeat_kv`` (``kv[:, :, None].expand(b, h_kv, n_rep, s, d)``, then a
     reshape merging ``h_kv * n_rep``) is the case that matters: the sharded
     kv-head dim is never a size-1 dim (a shard of size 1 globally cannot
     divide), so it is not broadcast, and its target size becomes -1 ("keep"),
-    which is the local size on every rank.
+    which is the local size on every rank. Fewer kv heads than ranks split the
+    head dim instead: see :func:`_or_gathered_first`.
     """
     x = node.args[0]
     pl = ctx.placement(x)
@@ -163,15 +215,69 @@ def expand(ctx: RuleContext, node: fx.Node) -> Strategy:
         return fallback()
     new_sizes = list(sizes)
     new_sizes[k] = -1
-    return Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
+    kept = Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
+    return _or_gathered_first(ctx, node, kept)
 
 
 @rule("repeat_interleave")
-def repeat_interleave(ctx: RuleContext, node: fx.Node) -> Strategy:
+def repeat_interleave(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     """Along any dim of a plain shard: along the head dim, local kv head ``j`` serves
     local q heads ``[j*n_rep, (j+1)*n_rep)``, so contiguous head blocks stay aligned."""
     pl = ctx.placement(node.args[0])
     dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
     if pl.blocks or dim is None:
         return fallback()
-    return Strategy(out=pl)
+    return _or_gathered_first(ctx, node, Strategy(out=pl))
+
+
+# Ops between a key/value expansion and the attention that reads it (they move no values).
+_KV_PATH = ("view", "reshape", "flatten", "transpose", "permute", "t", "contiguous",
+            "unsqueeze", "expand", "repeat_interleave", "cast")  # fmt: skip
+_ATTENTION = ("sdpa", "matmul", "bmm")
+
+
+def _or_gathered_first(
+    ctx: RuleContext, node: fx.Node, kept: Strategy
+) -> Strategy | list[Strategy]:
+    """``kept``, or with the alternative of gathering the input before it is repeated.
+
+    Fewer key/value heads than ranks (multi-query attention's one) cannot split on the
+    heads: the projection splits each head's dim, and the attention, whose queries are
+    split on the heads, must gather the keys and values whole. Gathered after the
+    expansion to every query head that sends ``n_head / n_kv`` times the bytes of
+    gathering the kv heads themselves, so the planner weighs both: ``kept`` charged with
+    its attention's gather of the expansion, against gathering the input first (the
+    attention then slices the replicated expansion to its heads, no communication).
+    Offered only where a split last (head) dim reaches attention through views alone.
+    """
+    x = node.args[0]
+    src, out = shape_of(x), shape_of(node)
+    pl = ctx.placement(x)
+    if (
+        src is None or out is None or pl.blocks or pl.dim != len(src) - 1
+        or out[-1] != src[-1] or math.prod(out) <= math.prod(src)
+        or not _reaches_attention_only(node)
+    ):  # fmt: skip
+        return kept
+    kept.cost = cost.conversion(value_of(node), kept.out, R, ctx.p)
+    kept.label = "split head dim kept (the attention gathers the expansion)"
+    first = Strategy(out=R, whole=True, label="gathered before the expansion")
+    return [kept, first]
+
+
+def _reaches_attention_only(node: fx.Node) -> bool:
+    """Every path from ``node`` runs through :data:`_KV_PATH` ops into an attention op."""
+    seen, todo, found = set(), list(node.users), False
+    while todo:
+        user = todo.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        kind = op_kind(user)
+        if kind in _ATTENTION:
+            found = True
+        elif kind in _KV_PATH and user.args and user.args[0] in seen | {node}:
+            todo.extend(user.users)
+        else:
+            return False
+    return found
