@@ -17,6 +17,12 @@
    training step of the layer timed against the same layer whole under Inductor: the
    per-rank compute share (ideal ``1/tp``), the collectives it would issue, and fallbacks.
 
+4. Mixed precision (``mixed``): ``boost train --mixed-precision bf16`` on the GPU, as a user
+   runs it (FSDP2's policy: fp32 master weights and moments, bf16 compute, fp32 reduction).
+5. ``symm_mem_all_reduce`` (``symm``) at tp=2 on two GPUs, off against on, with the one-shot
+   calls the profiler saw; skipped, with the reason, on a one-GPU machine.
+   Parts 4 and 5 live in :mod:`benchmarks.gpu_dist`.
+
 Without a CUDA GPU it exits at once with status 2 and says so; ``--dry-run`` instead runs every
 part on the CPU at toy sizes (the tiny preset, a few steps), to show each can start before a
 GPU is lent. A ``--budget-s`` guard skips what would not finish in time. Writes ``gpu.json``
@@ -33,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 NO_GPU_EXIT = 2
+ALL_PARTS = "btp,train,mixed,symm,gemm"
 # dense bf16 tensor-core peaks (FLOP/s), by a substring of torch.cuda.get_device_name()
 PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
@@ -208,6 +215,19 @@ def _layer_steps(name: str, args: argparse.Namespace, device: Any, deadline: flo
     return out
 
 
+def _dist_part(part: str, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """:mod:`benchmarks.gpu_dist`'s ``part``, or the error that stopped it."""
+    from benchmarks import gpu_dist
+
+    try:
+        if part == "mixed":
+            return gpu_dist.mixed(args, deadline)
+        sized = argparse.Namespace(**{**vars(args), "batch": args.symm_batch, "seq": args.symm_seq})
+        return gpu_dist.symm(sized, deadline, args.dry_run)
+    except Exception as exc:  # the other parts still run
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
@@ -231,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backends", default="boost,inductor")
-    ap.add_argument("--parts", default="train,gemm,btp", help="of train, gemm, btp")
+    ap.add_argument("--parts", default=ALL_PARTS, help=f"of {ALL_PARTS}")
     ap.add_argument("--gemm-config", default="7b", help="boost_compiler.bench.gemm scale")
     ap.add_argument("--gemm-tp", type=int, default=4)
     ap.add_argument("--gemm-batch", type=int, default=1)
@@ -239,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (MFU)")
     ap.add_argument("--budget-s", type=float, default=450, help="skip what would run past this")
     ap.add_argument("--btp-tp", type=int, default=4, help="tp degree of the btp part")
+    ap.add_argument("--symm-bytes", type=int, default=1 << 20,
+                    help="symm part: all-reduces up to this many bytes go one-shot")  # fmt: skip
+    ap.add_argument("--symm-batch", type=int, default=1, help="symm part: batch")
+    ap.add_argument("--symm-seq", type=int, default=512, help="symm part: sequence length")
     ap.add_argument("--dry-run", action="store_true",
                     help="every part on the CPU at toy sizes: shows each can start (no GPU)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -249,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")  # the dry run is the CPU's by definition
         args.config, args.batch, args.seq, args.steps, args.warmup = "tiny", 2, 64, 2, 1
         args.gemm_config, args.gemm_seq, args.btp_tp = "tiny", 32, 2
-        args.parts = "train,gemm,btp"
+        args.symm_batch, args.symm_seq = 2, 64
+        args.parts = ALL_PARTS
     else:
         device = require_gpu()  # fail fast, before the heavy imports
 
@@ -266,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     out_dir = Path(args.out or f"bench-results/gpu-{time.strftime('%Y%m%d-%H%M%S')}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not torch.__version__.startswith("2.13"):
-        console.print(f"[yellow]torch {torch.__version__}: boost-compiler is tested with 2.13[/]")
+    if not torch.__version__.startswith(("2.13", "2.14", "2.15")):
+        console.print(
+            f"[yellow]torch {torch.__version__}: boost-compiler is tested with 2.13-2.15[/]"
+        )
     record: dict[str, Any] = {
         "device": name, "torch": torch.__version__, "peak_flops": peak, "args": vars(args),
         "train": {}, "gemm": [],
@@ -307,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
             t.add_row(backend, f"{r['step_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
                       f"{r['tflops']:.1f}", mfu, f"{r['compile_s']:.0f}", mem)  # fmt: skip
         console.print(t)
+    for part in ("mixed", "symm"):
+        if part in parts:
+            record[part] = _dist_part(part, args, deadline - 30)
+            console.print(f"{part}: {record[part]}", markup=False)
     if "gemm" in parts:
         if time.perf_counter() > deadline - 20:
             console.print("GEMM microbench skipped: time budget")
@@ -321,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     console.save_text(str(out_dir / "tables.txt"))
     console.print(f"wrote {out_dir / 'gpu.json'} in {record['wall_s']:.0f} s", markup=False)
     failed = [b for b, r in record["train"].items() if "error" in r]
-    failed += ["btp"] if "error" in record.get("btp", {}) else []
+    failed += [p for p in ("btp", "mixed", "symm") if "error" in record.get(p, {})]
     return 1 if failed else 0
 
 

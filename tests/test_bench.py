@@ -48,10 +48,11 @@ def test_gpu_script_fails_fast_without_gpu() -> None:
 
 
 @pytest.mark.skipif(os.environ.get("BOOST_FULL_TESTS") != "1",
-                    reason="compiles the tiny preset 5 times (2 minutes); BOOST_FULL_TESTS=1")  # fmt: skip
+                    reason="compiles the tiny preset 7 times (4 minutes); BOOST_FULL_TESTS=1")  # fmt: skip
 def test_gpu_script_dry_run_starts_every_part(tmp_path: Path) -> None:
     """``gpu.sh --dry-run``: every part of the prepared GPU run (compiled training with both
-    backends, the GEMM microbench, the BTP layer on the fake process group) runs on the
+    backends, the GEMM microbench, the BTP layer on the fake process group, the trainer
+    under mixed precision, the symm_mem part's 2-rank worker) runs on the
     CPU at toy sizes, with no error recorded and BTP's layer planned with no fallback."""
     import json
 
@@ -69,6 +70,12 @@ def test_gpu_script_dry_run_starts_every_part(tmp_path: Path) -> None:
     )
     assert "error" not in rec["btp"] and rec["btp"]["fallbacks"] == [], rec["btp"]
     assert rec["btp"]["btp_step_s"] > 0 and rec["btp"]["collectives"], rec["btp"]
+    # boost train --mixed-precision bf16 ran steps past its warm-up, and it learned
+    mixed = rec["mixed"]
+    assert "error" not in mixed and mixed["steps"] >= 1 and mixed["tokens_per_s"] > 0, mixed
+    # the symm_mem part's torchrun worker: both ranks stepped, the same losses (gloo, option off)
+    off = rec["symm"]["nccl"]["ranks"]
+    assert len(off) == 2 and off[0]["losses"] == off[1]["losses"], rec["symm"]
 
 
 def test_predictions_tiny() -> None:
