@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from boost_compiler.models.cola_llama import LowRankLinear, RMSNorm
+from boost_compiler.train import LayeredLM
 from boost_compiler.train.config import TrainConfig
 from boost_compiler.train.data import model_vocab
-from boost_compiler.train.spec_module import LayeredLM
 
 
 class Block(nn.Module):

@@ -117,7 +117,7 @@ class ModuleSpec(ModelSpec):
         if not isinstance(model, LayeredLM):
             raise PipelineError(
                 f"--pp > 1 cuts a user's model by layer, so it must be a "
-                f"boost_compiler.train.spec_module.LayeredLM (embed, layers, head); "
+                f"boost_compiler.train.LayeredLM (embed, layers, head); "
                 f"{type(model).__name__} is not: return one, or train at --pp 1"
             )
         head = {id(p) for p in model.head.parameters()}
