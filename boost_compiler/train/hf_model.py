@@ -14,10 +14,10 @@
   folder: :mod:`boost_compiler.layouts`), imported as factor pairs; ``boost export --format
   <layout>`` (:func:`export_layout`) writes the trained model back in that layout.
 
-From there the trainer treats it as it treats the CoLA-LLaMA (BTP over ``tp`` with the
-loss in the graph, FSDP2 over ``dp``; at ``--pp > 1`` the model is cut into stages by
-decoder layer, :mod:`.pipeline_hf`, which names the families it splits); only the call
-differs, HF's
+The trainer asks :class:`HFSpec` (this family's :class:`~.model_spec.ModelSpec`) and
+treats the model as it treats the CoLA-LLaMA (BTP over ``tp`` with the loss in the graph,
+FSDP2 over ``dp``; at ``--pp > 1`` the model is cut into stages by decoder layer,
+:mod:`.pipeline_hf`, which names the families it splits); only the call differs, HF's
 ``model(ids, labels=ids, use_cache=False).loss`` (:class:`LossForward`). The checkpoint's
 ``train_state.json`` keeps the model's config with its low-rank layout
 (:data:`STATE_KEY`), so :func:`export_hf` needs nothing but the checkpoint.
