@@ -74,6 +74,10 @@ def test_spec_picked_by_flags_and_pp_needs_layers(tmp_path: Path) -> None:
     assert spec.pipeline_dims(model) == (4, 32, False)
     with pytest.raises(PipelineError, match="LayeredLM"):
         spec.pipeline_dims(torch.nn.Linear(2, 2))
+    head = torch.nn.Linear(32, 256, bias=False)
+    head.weight = model.embed.weight  # tied: the first and last stage would share it
+    tied = LayeredLM(model.embed, list(model.layers), head, d_model=32)
+    assert spec.pipeline_dims(tied) == (4, 32, True)
 
 
 def test_no_family_branch_outside_its_spec() -> None:

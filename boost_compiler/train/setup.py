@@ -181,7 +181,7 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     timeout = comm.timeout_of(cfg.comm_timeout)
     mesh = init_pipeline_mesh(pp, dp, tp, device.type, timeout)
     spec = spec_for(cfg)
-    model = spec.build(cfg).to(device)
+    model = build_model(cfg).to(device)
     if cfg.bf16:
         model = model.to(torch.bfloat16)
     model_keys = list(model.state_dict().keys())  # before the split: every stage's names
