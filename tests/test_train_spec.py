@@ -20,7 +20,7 @@ import torch
 
 from boost_compiler.errors import PipelineError
 from boost_compiler.train import TrainConfig, read_metrics
-from boost_compiler.train.model_spec import spec_for
+from boost_compiler.train.families import spec_for
 from boost_compiler.train.spec_module import LayeredLM
 
 from .test_train import ROOT, Launch, _in_process, _losses, _max_rel
@@ -82,7 +82,14 @@ def test_spec_picked_by_flags_and_pp_needs_layers(tmp_path: Path) -> None:
 
 def test_no_family_branch_outside_its_spec() -> None:
     """``is_hf`` / the CoLA stage / HF probes appear only in their family's modules."""
-    own = {"hf_model.py", "pipeline_hf.py", "spec_cola.py", "spec_module.py", "model_spec.py"}
+    own = {
+        "hf_model.py",
+        "pipeline_hf.py",
+        "spec_cola.py",
+        "spec_module.py",
+        "model_spec.py",
+        "families.py",
+    }
     pattern = re.compile(r"\bis_hf\b|is_hf_causal_lm|CoLAStage|ColaLlama|\.config\.model_type")
     bad = [
         f"{path.name}:{n}"

@@ -36,7 +36,7 @@ class TrainConfig:
     """Everything that defines a training run. ``batch`` is the GLOBAL batch (all dp ranks)."""
 
     # A preset in boost_compiler.models.cola_llama.CONFIGS, or a user's "module:function"
-    # (train/spec_module.py); which family trains is train/model_spec.py's choice.
+    # (train/spec_module.py); which family trains is train/families.py's choice.
     model: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)  # TOML [model] table
     # Hugging Face models instead of the preset (train/hf_model.py).

@@ -40,7 +40,7 @@ from .clip import clip_grad_norm_
 from .config import TrainConfig, TrainConfigError
 from .data import check_paths as check_data_paths
 from .evaluate import validate
-from .model_spec import spec_for
+from .families import spec_for
 from .report import Metrics, default_plot, plot_losses, progress_bar, read_metrics
 from .setup import Run, setup
 

@@ -145,9 +145,9 @@ def attention_dims(model: nn.Module) -> tuple[int, int] | None:
     """(layers, heads x head size) of the whole model as its family's spec says
     (:meth:`.model_spec.ModelSpec.attention_dims`; a pipeline stage answers for the whole
     model), or None when no registered family owns it or it does not say."""
-    from .model_spec import registered
+    from .families import SPECS
 
-    for spec in registered():
+    for spec in SPECS:
         if spec.owns(model):
             return spec.attention_dims(model)
     return None

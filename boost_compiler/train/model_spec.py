@@ -1,15 +1,14 @@
-"""What the trainer asks of a model family: one :class:`ModelSpec` per kind, found by flags.
+"""What the trainer asks of a model family: one :class:`ModelSpec` per kind.
 
 torchtitan's ``TrainSpec``: the trainer never tests which family it trains; it asks the
-spec :func:`spec_for` picks from the run's flags (or :func:`spec_of` from a built model)
-to build the model, cut it into pipeline stages, say its attention's size for the FLOPs
-count, give the keyword arguments of a training call, turn its forward into one that
-returns the loss, and record what an export needs. The kinds (:data:`SPECS`, the first
-that claims a run wins): a transformers model (``--hf-config``/``--init-from``,
-:mod:`.hf_model`), a user's ``--model module:function`` (:mod:`.spec_module`), the
-packaged CoLA-LLaMA preset (:mod:`.spec_cola`, which claims every other run). Invariant:
-no code outside a spec's module branches on the family; a new family is one new spec
-registered here.
+spec that :func:`.families.spec_for` picks from the run's flags to build the model, cut it
+into pipeline stages, say its attention's size for the FLOPs count, give the keyword
+arguments of a training call, turn its forward into one that returns the loss, and record
+what an export needs. The kinds, in :mod:`.families`' list: a transformers model
+(``--hf-config``/``--init-from``, :mod:`.hf_model`), a user's ``--model module:function``
+(:mod:`.spec_module`), the packaged CoLA-LLaMA preset (:mod:`.spec_cola`, which claims
+every other run). Invariant: no code outside a spec's module branches on the family; a
+new family is one new spec added to that list.
 """
 
 from __future__ import annotations
@@ -87,39 +86,3 @@ def same_on_every_rank(model: nn.Module) -> None:
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src=0)
-
-
-def _specs() -> list[ModelSpec]:
-    from .hf_model import HFSpec
-    from .spec_cola import CoLASpec
-    from .spec_module import ModuleSpec
-
-    return [HFSpec(), ModuleSpec(), CoLASpec()]
-
-
-SPECS: list[ModelSpec] = []  # filled on first use: the families' modules import this one
-
-
-def registered() -> list[ModelSpec]:
-    """The registered specs, in the order they are asked."""
-    if not SPECS:
-        SPECS.extend(_specs())
-    return SPECS
-
-
-def spec_for(cfg: TrainConfig) -> ModelSpec:
-    """The spec that trains the run ``cfg`` describes."""
-    return next(s for s in registered() if s.claims(cfg))
-
-
-def spec_of(model: nn.Module) -> ModelSpec:
-    """The spec of a built model (the library's ``build_pipeline`` without flags)."""
-    for spec in registered():
-        if spec.owns(model):
-            return spec
-    from ..errors import PipelineError
-
-    raise PipelineError(
-        f"{type(model).__name__} is of no registered model family "
-        f"({', '.join(s.name for s in registered())}): pass its ModelSpec"
-    )

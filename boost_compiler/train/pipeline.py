@@ -35,7 +35,8 @@ from ..device import pick_device
 from ..errors import PipelineError
 from ..tp.collectives import group_name_of
 from .comm import device_mesh
-from .model_spec import ModelSpec, spec_of
+from .families import spec_of
+from .model_spec import ModelSpec
 from .p2p import P2PMeter
 from .schedules import MULTI, SCHEDULES, check_schedule, make_schedule
 from .stages import StageSpec, split_layers
@@ -335,7 +336,7 @@ def build_pipeline(
     model_spec: ModelSpec | None = None,
 ) -> Pipeline:
     """This rank's stages of ``model`` (identical on every rank), cut by its family's
-    ``model_spec`` (default: the registered spec that owns it, :func:`.model_spec.spec_of`).
+    ``model_spec`` (default: the registered spec that owns it, :func:`.families.spec_of`).
 
     ``batch`` is the per-dp-rank batch of one step, cut into ``n_microbatches``;
     ``schedule``: one of :data:`SCHEDULES`; ``interleaved-1f1b`` and ``zero-bubble`` cut

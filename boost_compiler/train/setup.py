@@ -27,13 +27,14 @@ from . import fsdp as fsdp_units
 from .clip import GradSlot
 from .config import TrainConfig
 from .data import DataSource, load_corpus, open_data, open_eval
-from .model_spec import ModelSpec, spec_for
+from .families import spec_for
+from .model_spec import ModelSpec
 from .pipeline import build_pipeline, init_pipeline_mesh
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
     """The run's model as its family's spec builds it (identical on every rank):
-    :func:`.model_spec.spec_for` picks the preset, ``--hf-config`` / ``--init-from``'s
+    :func:`.families.spec_for` picks the preset, ``--hf-config`` / ``--init-from``'s
     transformers model, or a ``--model module:function``."""
     return spec_for(cfg).build(cfg)
 
