@@ -56,9 +56,10 @@ class BoundaryStage(nn.Module):
     """The module ``PipelineStage`` runs: a (parallelized) stage, its boundaries contiguous.
 
     At tp > 1 the stage itself takes and returns its hidden shard (``from_tp_shards`` /
-    ``to_tp_shard`` inside its forward, see :meth:`.model_spec.ModelSpec.stage`), so what arrives and
-    leaves here is ``[b/m, s, d/tp]`` with no collective on either side; this wrapper
-    only makes both directions' buffers contiguous and owned, as gloo's sends need.
+    ``to_tp_shard`` inside its forward, see :meth:`.model_spec.ModelSpec.stage`), so
+    what arrives and leaves here is ``[b/m, s, d/tp]`` with no collective on either side;
+    this wrapper only makes both directions' buffers contiguous and owned, as gloo's
+    sends need.
     """
 
     def __init__(self, stage: nn.Module) -> None:
