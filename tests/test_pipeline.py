@@ -509,7 +509,7 @@ def test_stage_modules_hold_the_models_ends(kind: str) -> None:
     ``hf_stage``) hold, besides their layers, the whole model's embedding (the first),
     its final norm and head (the last) and nothing else (the middle): what
     ``_check_ends`` checks on every rank of the pipelined runs, read off the models."""
-    from boost_compiler.train.pipeline import CoLAStage
+    from boost_compiler.train.spec_cola import CoLAStage
     from tests.pipeline_checks import _models, model_ends, stage_ends
 
     if kind != "cola":

@@ -71,7 +71,11 @@ def test_tied_and_positional_embeddings() -> None:
 def test_attention_dims_of_a_transformers_config() -> None:
     model = torch.nn.Module()
     model.config = types.SimpleNamespace(  # type: ignore[assignment]
-        num_hidden_layers=3, num_attention_heads=4, hidden_size=64, head_dim=None
+        model_type="llama",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        hidden_size=64,
+        head_dim=None,
     )
     assert mfu.attention_dims(model) == (3, 64)
     model.config.head_dim = 32  # Qwen3-style: heads x head_dim != hidden_size

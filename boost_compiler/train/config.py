@@ -35,7 +35,9 @@ from ..errors import TrainConfigError
 class TrainConfig:
     """Everything that defines a training run. ``batch`` is the GLOBAL batch (all dp ranks)."""
 
-    model: str = "tiny"  # preset in boost_compiler.models.cola_llama.CONFIGS
+    # A preset in boost_compiler.models.cola_llama.CONFIGS, or a user's "module:function"
+    # (train/spec_module.py); which family trains is train/families.py's choice.
+    model: str = "tiny"
     model_overrides: dict[str, Any] = field(default_factory=dict)  # TOML [model] table
     # Hugging Face models instead of the preset (train/hf_model.py).
     hf_config: str | None = None  # a transformers config folder: that model, made low-rank
@@ -332,7 +334,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The training flags (every default suppressed: see the module docstring)."""
     s = argparse.SUPPRESS
     p.add_argument("--config", default=None, help="TOML file; flags given here win over it")
-    p.add_argument("--model", default=s, help="CoLA-LLaMA preset: tiny, 60m, 1b, 7b, 40b (tiny)")
+    p.add_argument(
+        "--model",
+        default=s,
+        help="CoLA-LLaMA preset: tiny, 60m, 1b, 7b, 40b (tiny), "
+        "or pkg.module:function / file.py:function building your own model",
+    )
     p.add_argument("--hf-config", default=s, metavar="DIR",
                    help="train a Hugging Face model from DIR/config.json (transformers' own "
                    "class), made low-rank by to_low_rank, instead of --model")  # fmt: skip

@@ -14,10 +14,10 @@
   folder: :mod:`boost_compiler.layouts`), imported as factor pairs; ``boost export --format
   <layout>`` (:func:`export_layout`) writes the trained model back in that layout.
 
-From there the trainer treats it as it treats the CoLA-LLaMA (BTP over ``tp`` with the
-loss in the graph, FSDP2 over ``dp``; at ``--pp > 1`` the model is cut into stages by
-decoder layer, :mod:`.pipeline_hf`, which names the families it splits); only the call
-differs, HF's
+The trainer asks :class:`HFSpec` (this family's :class:`~.model_spec.ModelSpec`) and
+treats the model as it treats the CoLA-LLaMA (BTP over ``tp`` with the loss in the graph,
+FSDP2 over ``dp``; at ``--pp > 1`` the model is cut into stages by decoder layer,
+:mod:`.pipeline_hf`, which names the families it splits); only the call differs, HF's
 ``model(ids, labels=ids, use_cache=False).loss`` (:class:`LossForward`). The checkpoint's
 ``train_state.json`` keeps the model's config with its low-rank layout
 (:data:`STATE_KEY`), so :func:`export_hf` needs nothing but the checkpoint.
@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .._logging import get_logger
 from ..errors import BoostError, ConversionError, HFFolderError, RemoteCodeError, VocabSizeError
 from ..hf_io import LOW_RANK_KEY, read_layout, record_layout, write_folder
 from .config import TrainConfig, TrainConfigError
+from .model_spec import ModelSpec, same_on_every_rank
+from .stages import StageSpec
 
 log = get_logger(__name__)
 
@@ -182,19 +183,6 @@ def _convert(model: nn.Module, cfg: TrainConfig, method: str) -> None:
         )
 
 
-def _same_on_every_rank(model: nn.Module) -> None:
-    """Rank 0's values everywhere: parallelize cuts each rank's shards from its own copy.
-
-    An SVD's singular vectors are defined up to sign, and LAPACK may pick other signs with
-    another thread count; shards cut from two factorizations would not form one model.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src=0)
-
-
 def build(cfg: TrainConfig) -> nn.Module:
     """The run's transformers model, low-rank, identical on every rank, in training mode."""
     tf = _transformers()
@@ -230,7 +218,7 @@ def build(cfg: TrainConfig) -> nn.Module:
                 raise ConversionError(f"--init-from {cfg.init_from}: {err}") from err
             record_layout(model, "svd")
     model.train()  # from_pretrained returns eval mode; dropout as the config says
-    _same_on_every_rank(model)
+    same_on_every_rank(model)
     return model
 
 
@@ -294,3 +282,54 @@ def export_layout(checkpoint: str | Path, out: str | Path, layout: str, *,
     folder = write(out, layout, config, sd, overwrite=overwrite)
     return {"path": str(folder), "step": state["step"], "tensors": len(sd),
             "numel": sum(t.numel() for t in sd.values())}  # fmt: skip
+
+
+class HFSpec(ModelSpec):
+    """``--hf-config`` / ``--init-from``: a transformers causal LM, made low-rank."""
+
+    name = "transformers"
+    pipeline_masks = True
+
+    def claims(self, cfg: TrainConfig) -> bool:
+        return is_hf(cfg)
+
+    def owns(self, model: nn.Module) -> bool:
+        # A PretrainedConfig as .config: the whole model and its stages (pipeline_hf).
+        return hasattr(getattr(model, "config", None), "model_type")
+
+    def check(self, cfg: TrainConfig) -> None:
+        check(cfg)
+
+    def build(self, cfg: TrainConfig) -> nn.Module:
+        return build(cfg)
+
+    def example_kwargs(self) -> dict[str, Any]:
+        return dict(EXAMPLE_KWARGS)
+
+    def loss_forward(self, forward: Any) -> Any:
+        return LossForward(forward)  # HF returns an output object: the loop wants its loss
+
+    def pipeline_dims(self, model: nn.Module) -> tuple[int, int, bool]:
+        from .pipeline_hf import hf_dims
+
+        return hf_dims(model)
+
+    def stage(self, model: nn.Module, spec: StageSpec, boundary_group: str | None) -> nn.Module:
+        from .pipeline_hf import hf_stage
+
+        return hf_stage(model, spec, boundary_group=boundary_group)
+
+    def attention_dims(self, model: nn.Module) -> tuple[int, int] | None:
+        # num_hidden_layers / num_attention_heads are aliased to every family's own names.
+        hf: Any = model.config
+        layers = getattr(hf, "num_hidden_layers", None)
+        heads = getattr(hf, "num_attention_heads", None)
+        if layers is None or not heads:
+            return None
+        # Some families (Qwen3, Gemma) set head_dim apart from hidden_size / heads.
+        head_dim = getattr(hf, "head_dim", None) or int(hf.hidden_size) // int(heads)
+        return int(layers), int(heads) * int(head_dim)
+
+    def state_record(self, model: nn.Module) -> dict[str, Any]:
+        # What `boost export --format hf` writes as config.json, low-rank layout included.
+        return {STATE_KEY: config_record(model)}

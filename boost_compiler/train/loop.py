@@ -35,11 +35,12 @@ from torch import nn
 from .._logging import get_logger
 from ..device import process_group_backend
 from . import checkpoint as ckpt
-from . import comm, divergence, hf_model, mfu, report, run_folder
+from . import comm, divergence, mfu, report, run_folder
 from .clip import clip_grad_norm_
 from .config import TrainConfig, TrainConfigError
 from .data import check_paths as check_data_paths
 from .evaluate import validate
+from .families import spec_for
 from .report import Metrics, default_plot, plot_losses, progress_bar, read_metrics
 from .setup import Run, setup
 
@@ -149,8 +150,8 @@ def _train_state(run: Run, step: int) -> dict[str, Any]:
                  "seed": cfg.seed, "batch": cfg.batch, "seq": cfg.seq, **run.corpus.state()},
         "layout": {"pp": cfg.pp, "dp": run.dp, "tp": run.tp, "fsdp": run.fsdp},
         "config": cfg.to_json(),
-        # What `boost export --format hf` writes as config.json, low-rank layout included.
-        **({hf_model.STATE_KEY: hf_model.config_record(run.model)} if hf_model.is_hf(cfg) else {}),
+        # What an export needs besides the weights (a transformers model's config.json).
+        **spec_for(cfg).state_record(run.model),
     }  # fmt: skip
 
 
@@ -203,7 +204,7 @@ def _check_flags(cfg: TrainConfig) -> report.TensorBoard | None:
     """What the flags alone decide, before any file is made (setup validates again):
     a bad value or a missing package stops every rank with nothing written."""
     cfg.validate(dist.get_world_size())
-    hf_model.check(cfg)
+    spec_for(cfg).check(cfg)
     check_data_paths(cfg)
     return report.open_tensorboard(cfg, enabled=dist.get_rank() == 0)
 

@@ -142,23 +142,15 @@ def matmul_params(
 
 
 def attention_dims(model: nn.Module) -> tuple[int, int] | None:
-    """(layers, heads x head size) of the whole model, or None when it does not say.
+    """(layers, heads x head size) of the whole model as its family's spec says
+    (:meth:`.model_spec.ModelSpec.attention_dims`; a pipeline stage answers for the whole
+    model), or None when no registered family owns it or it does not say."""
+    from .families import SPECS
 
-    CoLA-LLaMA keeps them in ``model.cfg`` (its pipeline stages keep the whole model's
-    cfg); a transformers model in ``model.config`` (``num_hidden_layers`` and
-    ``num_attention_heads`` are aliased to every family's own names).
-    """
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None and all(hasattr(cfg, k) for k in ("n_layers", "n_heads", "head_dim")):
-        return int(cfg.n_layers), int(cfg.n_heads) * int(cfg.head_dim)
-    hf = getattr(model, "config", None)
-    layers = getattr(hf, "num_hidden_layers", None)
-    heads = getattr(hf, "num_attention_heads", None)
-    if layers is None or not heads:
-        return None
-    # Some families (Qwen3, Gemma) set head_dim apart from hidden_size / heads.
-    head_dim = getattr(hf, "head_dim", None) or int(hf.hidden_size) // int(heads)
-    return int(layers), int(heads) * int(head_dim)
+    for spec in SPECS:
+        if spec.owns(model):
+            return spec.attention_dims(model)
+    return None
 
 
 def flops_per_token(params: int, layers: int, attn_width: int, seq: int) -> int:
@@ -207,9 +199,9 @@ def for_run(run: Any) -> MFUMeter:
         total = torch.tensor([params], dtype=torch.int64, device=run.device)
         dist.all_reduce(total, group=run.mesh["pp"].get_group())
         params = int(total.item())
-    dims = attention_dims(run.model)
+    dims = run.spec.attention_dims(run.model)  # the family's (.model_spec)
     if dims is None:
-        log.warning("the model names no layer count / heads: MFU leaves out the attention core")
+        log.warning("the model's spec gives no attention size: MFU leaves out the attention core")
         dims = (0, 0)
     flops = flops_per_token(params, dims[0], dims[1], cfg.seq)
     # --mixed-precision bf16 computes its GEMMs in bf16 as --bf16 does: the same peak.

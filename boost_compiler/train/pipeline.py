@@ -1,7 +1,7 @@
 """Pipeline parallelism over ``pp``, BTP inside each stage over ``tp``, FSDP2 over ``dp``.
 
-Layout: a 3-D ``DeviceMesh`` ``(pp, dp, tp)``. The CoLA-LLaMA (or a transformers
-causal LM: ``pipeline_hf``) is cut by layer into ``pp`` stages (stage 0:
+Layout: a 3-D ``DeviceMesh`` ``(pp, dp, tp)``. The model is cut by layer into ``pp``
+stages by its family's spec (``ModelSpec.stage``, :mod:`.model_spec`) (stage 0:
 embedding + its layers; the last: its layers + final norm + LM head + loss); each
 stage module is parallelized on its own with
 ``parallelize(stage, mesh["tp"], <that stage's micro-batch inputs>)`` and, at
@@ -22,7 +22,6 @@ backward (``tests/test_pipeline.py`` counts gloo's events against the whole mode
 
 from __future__ import annotations
 
-import copy
 import datetime
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,14 +29,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..device import pick_device
 from ..errors import PipelineError
-from ..tp.boundary import from_tp_shards, to_tp_shard
 from ..tp.collectives import group_name_of
 from .comm import device_mesh
+from .families import spec_of
+from .model_spec import ModelSpec
 from .p2p import P2PMeter
 from .schedules import MULTI, SCHEDULES, check_schedule, make_schedule
 from .stages import StageSpec, split_layers
@@ -53,57 +52,14 @@ __all__ = [
 ]
 
 
-class CoLAStage(nn.Module):
-    """A slice of a ``ColaLlama``: its forward is the model's, restricted to the slice.
-
-    Parameter names are the single-device model's (``layers.3.attn...``), so plans,
-    checkpoints and comparisons use one vocabulary. With ``boundary_group`` (the tp
-    group's name, at tp > 1) the hidden state crosses the stage's boundaries as this
-    rank's block of the last dim: taken in by ``from_tp_shards``, handed on by
-    ``to_tp_shard``, which the parallelized graph keeps on the residual stream's shards.
-    """
-
-    def __init__(
-        self, model: nn.Module, spec: StageSpec, boundary_group: str | None = None
-    ) -> None:
-        super().__init__()
-        self.spec = spec
-        self.cfg = model.cfg
-        self.boundary_group = boundary_group
-        self.rope = copy.deepcopy(model.rope)  # every stage needs the tables
-        if spec.first:
-            self.embed, self.drop = model.embed, model.drop
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in spec.layers})
-        if spec.last:
-            self.norm, self.lm_head = model.norm, model.lm_head
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        cos, sin = self.rope(x.shape[1])
-        if self.spec.first:
-            x = self.drop(self.embed(x))
-        elif self.boundary_group is not None:
-            x = from_tp_shards(x, x.dim() - 1, self.boundary_group)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin)
-        if not self.spec.last:
-            if self.boundary_group is not None:
-                return to_tp_shard(x, x.dim() - 1, self.boundary_group)
-            return x
-        logits = self.lm_head(self.norm(x))
-        if labels is None:
-            return logits
-        return F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
-        )
-
-
 class BoundaryStage(nn.Module):
     """The module ``PipelineStage`` runs: a (parallelized) stage, its boundaries contiguous.
 
     At tp > 1 the stage itself takes and returns its hidden shard (``from_tp_shards`` /
-    ``to_tp_shard`` inside its forward, see :class:`CoLAStage`), so what arrives and
-    leaves here is ``[b/m, s, d/tp]`` with no collective on either side; this wrapper
-    only makes both directions' buffers contiguous and owned, as gloo's sends need.
+    ``to_tp_shard`` inside its forward, see :meth:`.model_spec.ModelSpec.stage`), so
+    what arrives and leaves here is ``[b/m, s, d/tp]`` with no collective on either side;
+    this wrapper only makes both directions' buffers contiguous and owned, as gloo's
+    sends need.
     """
 
     def __init__(self, stage: nn.Module) -> None:
@@ -345,20 +301,16 @@ def _stage_examples(
 
 
 def _build_stage(
-    model: nn.Module, spec: StageSpec, mesh: Any, hf: bool, example: tuple[Any, ...],
+    model: nn.Module, spec: StageSpec, mesh: Any, family: ModelSpec, example: tuple[Any, ...],
     options: dict[str, Any] | None, compile: bool,
 ) -> nn.Module:  # fmt: skip
-    """One stage's module: cut from ``model``, parallelized over tp, maybe compiled."""
+    """One stage's module: cut from ``model`` by its family, parallelized over tp, maybe
+    compiled."""
     import boost_compiler
-
-    from . import pipeline_hf
 
     tp = mesh["tp"].size()
     group = group_name_of(mesh["tp"].get_group()) if tp > 1 else None
-    if hf:
-        stage_mod = pipeline_hf.hf_stage(model, spec, boundary_group=group)
-    else:
-        stage_mod = CoLAStage(model, spec, boundary_group=group)
+    stage_mod = family.stage(model, spec, group)
     if tp > 1:
         boost_compiler.parallelize(stage_mod, mesh["tp"], *example, options)
     if compile:
@@ -382,9 +334,10 @@ def build_pipeline(
     compile: bool = False,
     masks: bool = False,
     virtual_stages: int | None = None,
+    model_spec: ModelSpec | None = None,
 ) -> Pipeline:
-    """This rank's stages of ``model`` (a ``ColaLlama`` or a transformers causal LM of a
-    family ``pipeline_hf`` splits; identical on every rank).
+    """This rank's stages of ``model`` (identical on every rank), cut by its family's
+    ``model_spec`` (default: the registered spec that owns it, :func:`.families.spec_of`).
 
     ``batch`` is the per-dp-rank batch of one step, cut into ``n_microbatches``;
     ``schedule``: one of :data:`SCHEDULES`; ``interleaved-1f1b`` and ``zero-bubble`` cut
@@ -397,23 +350,20 @@ def build_pipeline(
     """
     from torch.distributed.pipelining import PipelineStage
 
-    from . import pipeline_hf
-
     pp, tp = mesh["pp"].size(), mesh["tp"].size()
     dp = mesh["dp"].size()
     v = virtual_stages if virtual_stages is not None else (2 if schedule in MULTI else 1)
     check_schedule(schedule, pp, n_microbatches, v, compile)
     if batch % n_microbatches:
         raise PipelineError(f"batch {batch} is not divisible by n_microbatches {n_microbatches}")
-    hf = pipeline_hf.is_hf_causal_lm(model)
-    if hf:
-        n_layers, d_model, tied = pipeline_hf.hf_dims(model)
-    else:
-        n_layers, d_model, tied = model.cfg.n_layers, model.cfg.d_model, model.cfg.tie_embeddings
+    family = model_spec if model_spec is not None else spec_of(model)
+    n_layers, d_model, tied = family.pipeline_dims(model)
     if pp > 1 and tied:
         raise PipelineError("tied embeddings would span the first and last stage: untie them")
-    if masks and not hf:
-        raise PipelineError("attention masks and position ids are for transformers models")
+    if masks and not family.pipeline_masks:
+        raise PipelineError(
+            f"attention masks and position ids: the {family.name} family's stages take none"
+        )
     rank = mesh["pp"].get_local_rank()
     specs = split_layers(n_layers, pp * v, layer_counts)[rank::pp]
     param = next(model.parameters())
@@ -428,7 +378,7 @@ def build_pipeline(
     modules, stages = [], []
     for spec in specs:
         example = _stage_examples(spec, d_model, mb, seq, dtype, device, masks, tp)
-        module = _build_stage(model, spec, mesh, hf, example, options, compile)
+        module = _build_stage(model, spec, mesh, family, example, options, compile)
         if dp > 1 and fsdp:  # per block, then the stage
             from . import fsdp as fsdp_units
 

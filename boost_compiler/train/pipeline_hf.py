@@ -38,7 +38,7 @@ from ..errors import PipelineError
 from ..tp.boundary import from_tp_shards, to_tp_shard
 from .stages import StageSpec
 
-__all__ = ["CHECKED", "hf_dims", "hf_stage", "is_hf_causal_lm"]
+__all__ = ["CHECKED", "hf_dims", "hf_stage"]
 
 # The families whose stages chain to the whole model, checked by tests/test_pipeline.py's
 # chain test on every zoo family (padded rows, mixed layer types); it also checks that
@@ -50,11 +50,6 @@ REFUSED = {
     "granite": "its base model multiplies inputs_embeds by embedding_multiplier",
     "gpt2": "its base model adds the position embeddings to inputs_embeds",
 }
-
-
-def is_hf_causal_lm(model: nn.Module) -> bool:
-    """A transformers model (it carries a ``PretrainedConfig`` as ``.config``)."""
-    return hasattr(getattr(model, "config", None), "model_type")
 
 
 @dataclass(frozen=True)

@@ -20,48 +20,23 @@ import torch.distributed as dist
 from torch import nn
 
 from ..device import pick_device
-from ..errors import VocabSizeError
 from ..parallel.shadow import parallel_state
 from . import checkpoint as ckpt
-from . import comm, hf_model
+from . import comm
 from . import fsdp as fsdp_units
 from .clip import GradSlot
-from .config import TrainConfig, TrainConfigError
-from .data import DataSource, load_corpus, model_vocab, open_data, open_eval
+from .config import TrainConfig
+from .data import DataSource, load_corpus, open_data, open_eval
+from .families import spec_for
+from .model_spec import ModelSpec
 from .pipeline import build_pipeline, init_pipeline_mesh
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
-    """The preset ``cfg.model`` with its overrides, seeded (identical on every rank).
-
-    With ``--tokenizer`` the vocabulary is the tokenizer's (the preset's is replaced); a
-    ``vocab_size`` override may pad it (e.g. to a multiple of tp), never cut it.
-    ``--hf-config`` / ``--init-from``: the transformers model instead (:mod:`.hf_model`).
-    """
-    from ..models import cola_llama as cola
-
-    if hf_model.is_hf(cfg):
-        return hf_model.build(cfg)
-    if cfg.model not in cola.CONFIGS:
-        raise TrainConfigError(f"unknown --model {cfg.model!r}; presets: {sorted(cola.CONFIGS)}")
-    overrides = dict(cfg.model_overrides)
-    overrides.setdefault("max_seq_len", max(cola.CONFIGS[cfg.model].max_seq_len, cfg.seq))
-    need = model_vocab(cfg)
-    if need is not None:
-        given = overrides.setdefault("vocab_size", need)
-        if given < need:
-            raise VocabSizeError(
-                f"the model's vocab_size {given} ([model] vocab_size) is smaller than the "
-                f"tokenizer's {need} ({cfg.tokenizer}): drop vocab_size from the [model] table "
-                f"(the trainer then sizes the model from the tokenizer) or set it >= {need}"
-            )
-    model = cola.build(cfg.model, seed=cfg.seed, **overrides)
-    if need is None and model.cfg.vocab_size < 256:
-        raise VocabSizeError(
-            f"vocab_size {model.cfg.vocab_size} < 256: without --tokenizer the tokens are bytes "
-            "(set vocab_size >= 256, or give --tokenizer)"
-        )
-    return model
+    """The run's model as its family's spec builds it (identical on every rank):
+    :func:`.families.spec_for` picks the preset, ``--hf-config`` / ``--init-from``'s
+    transformers model, or a ``--model module:function``."""
+    return spec_for(cfg).build(cfg)
 
 
 def make_optimizer(
@@ -100,6 +75,7 @@ class Run:
     pipe: Any = None  # a .pipeline.Pipeline when pp > 1 (it runs forward and backward)
     norm_group: Any = None  # pp > 1: the group the gradient norm's squares are summed over
     held_out: torch.Tensor | None = None  # [batches, batch, seq] validation sequences
+    spec: ModelSpec | None = None  # the model family's answers (.model_spec)
 
     @property
     def dp_rank(self) -> int:
@@ -122,7 +98,7 @@ def apply_btp(model: nn.Module, cfg: TrainConfig, tp_mesh: Any, example: torch.T
     import boost_compiler
 
     if cfg.tp > 1:
-        kwargs = {"labels": example, **(hf_model.EXAMPLE_KWARGS if hf_model.is_hf(cfg) else {})}
+        kwargs = {"labels": example, **spec_for(cfg).example_kwargs()}
         boost_compiler.parallelize(model, tp_mesh, (example,), kwargs)
 
 
@@ -153,21 +129,20 @@ def apply_compile(model: nn.Module, cfg: TrainConfig, fsdp: bool) -> Any:
             model.forward = torch.compile(model.forward, backend="boost")  # type: ignore[method-assign]
         else:
             forward = torch.compile(model, backend="boost")
-    if hf_model.is_hf(cfg):  # HF returns an output object: the loop and validation want its loss
-        forward = hf_model.LossForward(forward)
-    return forward
+    return spec_for(cfg).loss_forward(forward)  # the loop and validation want the loss
 
 
 def setup(cfg: TrainConfig) -> Run:
     """Mesh, data, model (parallelized, sharded), optimizer: everything before step 0."""
     world = dist.get_world_size()
     cfg.validate(world)
-    hf_model.check(cfg)
+    spec = spec_for(cfg)
+    spec.check(cfg)
     if cfg.pp > 1:
         # The pipeline builds its run with the embedded corpus; the data is swapped in here.
         run = setup_pipeline_run(dataclasses.replace(cfg, data=None))
         run.cfg, run.corpus = cfg, open_data(cfg, run.dp_rank, run.dp)
-        run.held_out = open_eval(cfg)
+        run.held_out, run.spec = open_eval(cfg), spec
         return run
     tp = cfg.tp
     dp = cfg.dp if cfg.dp is not None else world // tp
@@ -186,7 +161,7 @@ def setup(cfg: TrainConfig) -> Run:
     forward = apply_compile(model, cfg, fsdp)
     return Run(cfg, dp, tp, mesh, device, corpus, model, forward, opt, layout, slots, fsdp,
                plan_bytes(model), fsdp_units.dp_bytes([model], dp, fsdp, cfg.mixed_precision),
-               held_out=open_eval(cfg))  # fmt: skip
+               held_out=open_eval(cfg), spec=spec)  # fmt: skip
 
 
 def setup_pipeline_run(cfg: TrainConfig) -> Run:
@@ -206,6 +181,7 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     device = pick_device()
     timeout = comm.timeout_of(cfg.comm_timeout)
     mesh = init_pipeline_mesh(pp, dp, tp, device.type, timeout)
+    spec = spec_for(cfg)
     model = build_model(cfg).to(device)
     if cfg.bf16:
         model = model.to(torch.bfloat16)
@@ -214,7 +190,7 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     pipe = build_pipeline(
         model, mesh, cfg.batch // dp, cfg.seq, cfg.micro_batches(dp), fsdp=fsdp,
         layer_counts=cfg.pp_layers, compile=cfg.compile, schedule=cfg.schedule,
-        virtual_stages=cfg.virtual_stages,
+        virtual_stages=cfg.virtual_stages, model_spec=spec,
     )  # fmt: skip
     stages = [m.stage for m in pipe.modules]  # this rank's, one per virtual stage
     layout = _stages_layout(stages, mesh["tp"] if tp > 1 else None)
@@ -225,7 +201,7 @@ def setup_pipeline_run(cfg: TrainConfig) -> Run:
     return Run(cfg, dp, tp, mesh, device, load_corpus(cfg.data), stage, None, opt,
                layout, slots, fsdp, sum(plan_bytes(s) for s in stages),
                fsdp_units.dp_bytes(stages, dp, fsdp, cfg.mixed_precision), pipe,
-               norm_group)  # fmt: skip
+               norm_group, spec=spec)  # fmt: skip
 
 
 def _stages_layout(stages: list[nn.Module], tp_mesh: Any) -> ckpt.Layout:
