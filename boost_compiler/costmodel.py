@@ -44,7 +44,7 @@ backward). Per token and layer (MHA; ``kv = H_kv d / H`` replaces d for k, v):
 
 ``fused=True`` counts Megatron's fused QKV / gate-up column layers (one
 backward all-reduce per distinct input); ``fused=False`` one per column-
-parallel module, as torch DTensor's per-module plans do (README's measured
+parallel module, as torch DTensor's per-module plans do (docs/benchmarks.md's measured
 DTensor bytes match it).
 """
 
