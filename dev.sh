@@ -86,7 +86,7 @@ case "$cmd" in
   compat)
     # A smoke set across capture, planning, every pass, Inductor lowering, FSDP2, DCP and
     # pipelining, and the gradient-checkpointed HF model with kernels (test_regions.py),
-    # on the newest releases; fixed order. Measured on 2 cores: see README ("Testing").
+    # on the newest releases; fixed order. Measured on 2 cores: see docs/setup.md.
     "$PY" -c 'import torch, transformers, kernels; print("dev.sh compat: torch",
       torch.__version__, "transformers", transformers.__version__, "kernels", kernels.__version__)'
     [ $# -gt 0 ] || set -- "${COMPAT_SMOKE[@]}"

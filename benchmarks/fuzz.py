@@ -10,7 +10,7 @@ seeded by ``--seed``), runs each on a persistent 2-rank gloo world
 eagerly (``model(x)``). Prints a line per program with the running counts, then a
 table exact / named error / wrong (and invalid: the reference itself cannot run),
 the failure classes, and writes every wrong spec (with its report) as JSON to
-``--out``.
+``--out`` (default: bench-results/fuzz/<timestamp>/, ignored by git like every run's output).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.fuzz.world import EXACT, INVALID, NAMED, WRONG, World
 
-    out = args.out or ROOT / "fuzz-out" / time.strftime("%Y%m%d-%H%M%S")
+    out = args.out or ROOT / "bench-results" / "fuzz" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     specs = generate(args.programs, args.seed, args.max_ops)
     n = len(specs)

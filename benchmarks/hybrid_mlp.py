@@ -151,7 +151,7 @@ _LAYER0_MLP = ("layers.0.mlp_norm", "layers.0.mlp")  # the MLP sub-block of laye
 def _node_modules(graph: Any, param_names: dict[str, str]) -> dict[str, str]:
     """Each node's module path (``layers.0.mlp.down_proj``): its ``nn_module_stack``, a
     parameter's owner, or, for a node a pass inserted, the latest module among its inputs
-    (``boost_compiler/explain/draw.py``'s ``assign_groups``, at module instead of layer grain)."""
+    (``boost_compiler/explain/node_style.py``'s ``assign_groups``, at module instead of layer grain)."""
     from boost_compiler.explain.draw import stack_path
 
     out: dict[Any, str] = {}

@@ -24,8 +24,8 @@ every error the package raises is a ``BoostError`` subclass in :mod:`boost_compi
 
 from __future__ import annotations
 
+from .analysis.bottleneck_table import bottleneck_table
 from .analysis.bottlenecks import Bottleneck
-from .analysis.report import bottleneck_table
 from .backend import boost_backend
 from .convert import ConversionReport, LayerConversion, LowRankLinear, to_low_rank
 from .errors import BoostError

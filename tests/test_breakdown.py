@@ -90,7 +90,7 @@ def _table_text(device: str) -> str:
     """The report's breakdown table for one rank's step that ran on ``device``, as text."""
     from rich.console import Console
 
-    from boost_compiler.bench.report import breakdown_table
+    from boost_compiler.bench.tables import breakdown_table
 
     step = {"wall_ms": 10.0, **dict.fromkeys(breakdown.PARTS, 2.0)}
     mid = breakdown.median_step([step], 0.01, device)

@@ -232,10 +232,12 @@ def test_meta_device_model_without_files() -> None:
 def test_without_graphviz_the_dot_text_and_tables_are_still_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from boost_compiler.explain import draw
+    from boost_compiler.explain import dot_render, draw
 
+    # explain asks draw whether dot is there; render (dot_render) asks again itself.
     monkeypatch.setattr(draw, "dot_available", lambda: False)
-    monkeypatch.setattr(draw, "_warned_no_dot", False)
+    monkeypatch.setattr(dot_render, "dot_available", lambda: False)
+    monkeypatch.setattr(dot_render, "_warned_no_dot", False)
     model, inputs, kwargs = cola_llama("tiny", device="meta")
     with caplog.at_level(logging.WARNING, logger="boost_compiler"):
         report = explain(model, inputs, tp=2, out_dir=tmp_path, example_kwargs=kwargs)

@@ -5,7 +5,7 @@ longer compiled at tp=2, and its only multi-rank test was in the full tier. Each
 here is one compile of the 2-layer tiny CoLA-LLaMA on 2 ranks (one world for the
 module) with one option that changes the graph, checked against the single-device
 model every step; the checkpoint modes' backward collectives are counted on the wire
-(README, "Activation checkpointing").
+(docs/how-it-works.md, "The passes").
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ matplotlib, no transformers, no safetensors). Then, from an empty folder outside
   cola-llama:tiny --tp 2``, ``boost cost --config 7b --tp 4``, ``boost bench`` at its
   smallest size, and ``torch.compile(model, backend="boost")`` in a program that never
   imports ``boost_compiler`` (the ``torch_dynamo_backends`` entry point);
-- ``test_readme_python_examples``: every ```` ```python ```` block of README.md, exactly as
-  written, unless the line before it says ``<!-- readme-test: skip <reason> -->``.
+- ``test_readme_python_examples``: every ```` ```python ```` block of README.md and of the
+  docs/*.md pages it links to, exactly as written, unless the line before it says
+  ``<!-- readme-test: skip <reason> -->``.
 
 How torch gets into the fresh environment without a download: the distributions torch needs
 (torch and its requirements, recursively, as this interpreter has them installed) are
@@ -39,6 +40,7 @@ from tests.extras import need
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]  # where examples live
 ALL_SYSTEMS = ("boost", "dtensor-lowrank", "dtensor-dense", "eager", "inductor")
 SKIP_MARK = re.compile(r"<!--\s*readme-test:\s*skip\s+(?P<reason>.+?)\s*-->")
 
@@ -218,23 +220,26 @@ def test_commands_from_the_wheel(installed: Installed) -> None:
     assert "compiled ok" in _run(installed, [str(installed.python), "-c", program], 300).stdout
 
 
-def readme_python_blocks() -> list[tuple[int, str, str | None]]:
-    """``(line, code, skip reason or None)`` of every ```` ```python ```` block of README.md."""
-    lines = README.read_text().splitlines()
-    blocks: list[tuple[int, str, str | None]] = []
-    i = 0
-    while i < len(lines):
-        if lines[i].strip() == "```python":
-            start = i
-            j = i + 1
-            while lines[j].strip() != "```":
-                j += 1
-            before = next((x for x in reversed(lines[:start]) if x.strip()), "")
-            mark = SKIP_MARK.search(before)
-            blocks.append((start + 1, "\n".join(lines[start + 1 : j]) + "\n",
-                           mark.group("reason") if mark else None))  # fmt: skip
-            i = j
-        i += 1
+def readme_python_blocks() -> list[tuple[str, str, str | None]]:
+    """``(file:line, code, skip reason or None)`` of every ```` ```python ```` block of
+    README.md and docs/*.md."""
+    blocks: list[tuple[str, str, str | None]] = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            if lines[i].strip() == "```python":
+                start = i
+                j = i + 1
+                while lines[j].strip() != "```":
+                    j += 1
+                before = next((x for x in reversed(lines[:start]) if x.strip()), "")
+                mark = SKIP_MARK.search(before)
+                blocks.append((f"{doc.relative_to(ROOT)}:{start + 1}",
+                               "\n".join(lines[start + 1 : j]) + "\n",
+                               mark.group("reason") if mark else None))  # fmt: skip
+                i = j
+            i += 1
     return blocks
 
 
@@ -246,16 +251,15 @@ def test_readme_has_runnable_examples() -> None:
     assert any(reason is None for _, _, reason in BLOCKS), "every README example is skipped"
 
 
-@pytest.mark.parametrize(
-    ("line", "code", "reason"), BLOCKS, ids=[f"README.md:{b[0]}" for b in BLOCKS]
-)
+@pytest.mark.parametrize(("where", "code", "reason"), BLOCKS, ids=[b[0] for b in BLOCKS])
 def test_readme_python_examples(
-    installed: Installed, line: int, code: str, reason: str | None
+    installed: Installed, where: str, code: str, reason: str | None
 ) -> None:
-    """A README example, exactly as written, in the wheel's environment, outside the repository."""
+    """A README or docs/ example, exactly as written, in the wheel's environment, outside the
+    repository."""
     if reason is not None:
-        pytest.skip(f"README.md:{line}: {reason}")
-    script = installed.work / f"readme_{line}.py"
+        pytest.skip(f"{where}: {reason}")
+    script = installed.work / f"example_{where.replace('/', '_').replace('.md:', '_')}.py"
     script.write_text(code)
     _run(installed, [str(installed.python), str(script)], 300)
 

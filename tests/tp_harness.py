@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 RTOL = 1e-5
-# The costly compiled variants run only with BOOST_FULL_TESTS=1 (see README, "Tests").
+# The costly compiled variants run only with BOOST_FULL_TESTS=1 (see docs/setup.md).
 FULL_TESTS = os.environ.get("BOOST_FULL_TESTS") == "1"
 SLOW_REASON = "a costly compiled variant; BOOST_FULL_TESTS=1 runs it"
 

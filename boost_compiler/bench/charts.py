@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .report import size_label
+from .tables import size_label
 from .training import SYSTEMS, TP_SYSTEMS
 
 COLORS = {"boost": "tab:green", "dtensor-lowrank": "tab:red", "dtensor-dense": "tab:gray",

@@ -79,7 +79,7 @@ from typing import Any
 from .analysis import DEFAULT_SIZES, SIZES, analyse, boost_formula_key, predict, split_group
 from .charts import plots
 from .harness import spawn
-from .report import (
+from .tables import (
     breakdown_table,
     comm_table,
     escape,

@@ -195,5 +195,5 @@ COST = Command(
     _cost_run,
     "Per-layer tensor-parallel communication (forward/backward payload MiB and collective "
     "counts) of dense TP, standard low-rank TP, BTP and BOOST; GEMM arithmetic intensity; "
-    "an alpha-beta time estimate. Symbolic formulas: boost_compiler/costmodel.py.",
+    "an alpha-beta time estimate. Symbolic formulas: boost_compiler/costmodel/formulas.py.",
 )

@@ -14,6 +14,7 @@ import os
 from rich.console import Console
 
 from ..errors import TrainConfigError
+from ..layouts import LAYOUTS
 from ..train.config import add_arguments, from_args
 from . import Command
 
@@ -33,7 +34,7 @@ def _train_run(args: argparse.Namespace) -> int:
     return 0
 
 
-LAYOUT_FORMATS = ("cola", "cola-m", "loro", "sltrain", "boost-nanotron")  # boost_compiler.layouts
+LAYOUT_FORMATS = tuple(LAYOUTS)
 FORMATS = ("safetensors", "pt", "hf", *LAYOUT_FORMATS)
 
 
@@ -44,9 +45,8 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
                    help="safetensors / pt: one state dict file; hf: a Hugging Face folder "
                    "(config.json with the low-rank layout, model.safetensors) that "
                    "boost_compiler.from_pretrained loads, for --hf-config / --init-from runs; "
-                   "cola, cola-m, loro, sltrain, boost-nanotron: a folder in that project's "
-                   "own low-rank layout (default: safetensors for a .safetensors name, else "
-                   "pt)")  # fmt: skip
+                   f"{', '.join(LAYOUT_FORMATS)}: a folder in that project's own low-rank "
+                   "layout (default: safetensors for a .safetensors name, else pt)")  # fmt: skip
     p.add_argument("--out", default=None,
                    help="model.safetensors, model.pt, or the folder for --format hf or a "
                    "layout")  # fmt: skip
@@ -106,5 +106,5 @@ EXPORT = Command(
     "Write a training checkpoint's model as one single-device state dict with the original "
     "parameter names (safetensors), loadable with strict=True; or, with --format hf, as a "
     "Hugging Face folder that boost_compiler.from_pretrained loads; or in another project's "
-    "low-rank layout (--format cola, cola-m, loro, sltrain, boost-nanotron).",
+    f"low-rank layout (--format {', '.join(LAYOUT_FORMATS)}).",
 )

@@ -17,7 +17,7 @@ Command line: ``boost explain examples.factories:cola_llama_tiny --tp 2 --out bo
 
 from __future__ import annotations
 
-from .report import CollectiveRow, CostRow, Report, Stage
+from .result import CollectiveRow, CostRow, Report, Stage
 from .run import explain
 
 __all__ = ["CollectiveRow", "CostRow", "Report", "Stage", "explain"]

@@ -11,210 +11,65 @@ Three views of one FX graph (:class:`GraphView`):
   (a 48-layer model stays one readable column);
 * :meth:`GraphView.full_dot`: every node, clustered by layer (for small graphs).
 
-Layers are module paths up to the first numeric component (``layers.3``,
-``h.0``); nodes the passes insert (no ``nn_module_stack``) join the layer of
-their first input. Placements come from ``node.meta["boost_placement"]``.
-The DOT text is plain string building: no Python graphviz binding is needed,
+What each node looks like (group, category, colour) is :mod:`.node_style`'s; running
+``dot`` is :mod:`.dot_render`'s. The DOT text is plain string building: no Python graphviz binding is needed,
 only the ``dot`` program (Debian package ``graphviz``) for the SVGs.
 """
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-import sysconfig
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from .._logging import get_logger
 from ..analysis.bottlenecks import Bottleneck
-from ..ir.op_table import op_kind
-from ..ir.ops import op_name, value_of
+from ..ir.ops import op_name
 from ..tp import collectives as C
 from ..tp.collectives import Collective
-from ..tp.placement import Placement
-
-log = get_logger(__name__)
-
-PLACEMENT_META = "boost_placement"
-INPUTS, OUTPUTS, TOP = "(inputs)", "(outputs)", "(top level)"
-
-# category -> (fill colour, legend text)
-CATEGORIES: dict[str, tuple[str, str]] = {
-    "replicated-r": ("#fde68a", "replicated, rank-r latent"),
-    "replicated": ("#e5e7eb", "replicated"),
-    "hidden-shard": ("#bbf7d0", "hidden/head shard S(k)"),
-    "partial": ("#fdba74", "partial sum P"),
-    "unplaced": ("#ffffff", "no placement recorded (before btp, or new node)"),
-}
-COLLECTIVE_FILL = {"fwd": "#7c3aed", "bwd": "#c4b5fd", "fwd+bwd": "#5b21b6", "none": "#ede9fe"}
-CHAIN_COLOUR = "#2563eb"
-RECOMPUTE_COLOUR = "#db2777"
-SAVED_COLOUR = "#047857"
-# Targets that are nothing but a collective (the primitives of tp/collectives.py, not the
-# kernels that also compute): drawn as one hexagon themselves.
-_PRIMITIVES = frozenset(fn for fn in C.COMMUNICATION if fn.__module__ == C.__name__)
-_DTYPE_SHORT = {
-    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
-    torch.int64: "i64", torch.int32: "i32",
-}  # fmt: skip
-_warned_no_dot = False
-
-
-# -- text helpers --------------------------------------------------------------
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_SHORT.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def collective_bytes(c: Collective) -> int:
-    """Payload bytes (the size of the reduced / gathered tensor, the cost model's convention)."""
-    return c.nbytes
-
-
-def direction(c: Collective) -> str:
-    return {(True, True): "fwd+bwd", (True, False): "fwd", (False, True): "bwd"}.get(
-        (c.forward, c.backward), "none"
-    )
-
-
-def payload_text(c: Collective) -> str:
-    """``[2, 16, 16] fp32``: what a drawing and a table print for a collective's payload."""
-    return f"{list(int(x) for x in c.global_shape)} {dtype_name(c.dtype)}"
-
-
-def _q(text: str) -> str:
-    """A DOT string literal; ``\\n`` in ``text`` becomes a centred line break."""
-    lines = str(text).split("\n")
-    esc = [ln.replace("\\", "\\\\").replace('"', '\\"') for ln in lines]
-    return '"' + "\\n".join(esc) + '"'
-
-
-def _attrs(**kw: Any) -> str:
-    parts = [f"{k.rstrip('_')}={_q(v)}" for k, v in kw.items() if v is not None and v != ""]
-    return "[" + ", ".join(parts) + "]"
-
-
-def _shape_text(node: fx.Node) -> str:
-    v = value_of(node)
-    if isinstance(v, torch.Tensor):
-        return str(list(v.shape)).replace(" ", "")
-    if isinstance(v, (tuple, list)):
-        return f"({len(v)} values)"
-    return ""
-
-
-# -- layer assignment ------------------------------------------------------------
-
-_STACK_TOKEN = re.compile(
-    r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*|\d+)|\[(\d+)\]|\['([^']+)'\]"
+from .dot_render import dot_available as dot_available
+from .dot_render import dot_program as dot_program
+from .dot_render import render as render
+from .node_style import (
+    CATEGORIES,
+    CHAIN_COLOUR,
+    COLLECTIVE_FILL,
+    INPUTS,
+    OUTPUTS,
+    PLACEMENT_META,
+    PRIMITIVES,
+    RECOMPUTE_COLOUR,
+    SAVED_COLOUR,
+    TOP,
+    assign_groups,
+    category,
+    checkpointing,
+    collective_bytes,
+    direction,
+    dot_attrs,
+    group_of_path,
+    is_layer,
+    payload_text,
+    placement_of,
+    quote,
+    shape_text,
+    stack_path,
 )
 
+# The names above are what the report, the dumps and the tests read from ``draw``; the
+# drawing itself (GraphView) is this module's own.
+__all__ = [
+    "CATEGORIES", "CHAIN_COLOUR", "COLLECTIVE_FILL", "INPUTS", "OUTPUTS", "PLACEMENT_META",
+    "PRIMITIVES", "RECOMPUTE_COLOUR", "SAVED_COLOUR", "TOP", "GraphView", "assign_groups",
+    "category", "checkpointing", "collective_bytes", "direction", "dot_attrs",
+    "dot_available", "dot_program", "group_of_path", "is_layer", "payload_text",
+    "placement_of", "quote", "render", "shape_text", "stack_path",
+]  # fmt: skip
 
-def stack_path(source: str) -> str:
-    """``L['self'].layers[0]._modules['attn']`` or ``L['self'].layers.0.attn`` -> ``layers.0.attn``."""
-    head = re.match(r"L\['[^']+'\]", source)
-    start = head.end() if head else 0
-    parts = [
-        next(g for g in m.groups() if g is not None) for m in _STACK_TOKEN.finditer(source, start)
-    ]
-    return ".".join(parts)
-
-
-def group_of_path(path: str) -> str:
-    """The layer a module path belongs to: up to its first numeric part, else its first part."""
-    parts = [p for p in path.split(".") if p]
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return parts[0] if parts else TOP
-
-
-def is_layer(group: str) -> bool:
-    return any(p.isdigit() for p in group.split("."))
-
-
-def assign_groups(
-    graph: fx.Graph, param_names: Mapping[str, str], buffer_names: Mapping[str, str] | None = None
-) -> dict[fx.Node, str]:
-    """Every node's layer (see the module docstring)."""
-    names = {**(buffer_names or {}), **param_names}
-    out: dict[fx.Node, str] = {}
-    order: dict[str, int] = {}  # a group's first appearance
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            fqn = names.get(node.name)
-            group = group_of_path(fqn.rsplit(".", 1)[0]) if fqn and "." in fqn else INPUTS
-        elif node.op == "output":
-            group = OUTPUTS
-        elif stack := node.meta.get("nn_module_stack") or {}:
-            entry = list(stack.values())[-1]
-            path = entry[0] if isinstance(entry, (tuple, list)) else str(entry)
-            group = group_of_path(stack_path(str(path)))
-        else:
-            # Inserted by a pass: the latest layer among its inputs (a value computed
-            # from layer i-1's residual and layer i's weights belongs to layer i).
-            inherited = [out[a] for a in node.all_input_nodes if out[a] != INPUTS]
-            group = max(inherited, key=order.__getitem__) if inherited else TOP
-        out[node] = group
-        order.setdefault(group, len(order))
-    return out
-
-
-# -- placements ----------------------------------------------------------------
-
-
-def placement_of(node: fx.Node) -> Placement | None:
-    """The placement the planner gave ``node``, or a structural guess for
-    nodes later passes inserted (collective outputs are replicated, a reduce's input is
-    partial, a piece of a value keeps its placement); None when unknown."""
-    pl = node.meta.get(PLACEMENT_META)
-    if isinstance(pl, Placement):
-        return pl
-    if node.op == "call_function" and node.target in (C.reduce_from_tp, C.copy_to_tp):
-        return Placement("R")
-    if node.op == "call_function" and node.target is C.gather_from_tp:
-        return Placement("R")
-    users = list(node.users)
-    if users and all(u.op == "call_function" and u.target is C.reduce_from_tp for u in users):
-        return Placement("P")
-    if op_kind(node) == "getitem":
-        src = node.args[0]
-        if isinstance(src, fx.Node) and isinstance(src.meta.get(PLACEMENT_META), Placement):
-            return src.meta[PLACEMENT_META]
-    return None
-
-
-def category(node: fx.Node, ranks: set[int]) -> str:
-    pl = placement_of(node)
-    if pl is None:
-        return "unplaced"
-    if pl.kind == "P":
-        return "partial"
-    if pl.is_shard:
-        return "hidden-shard"
-    v = value_of(node)
-    if isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] in ranks:
-        return "replicated-r"
-    return "replicated"
-
-
-def checkpointing(node: fx.Node) -> tuple[str, Any] | None:
-    """``("recompute" | "saved", region)`` from the activation-checkpointing tags
-    (``node.meta["recompute"]``: a ``CheckpointPolicy`` or a bool, ``ac_graph_id``)."""
-    policy = node.meta.get("recompute")
-    if policy is None or policy is False:
-        return None
-    name = str(getattr(policy, "name", policy)).upper()
-    return ("saved" if "SAVE" in name else "recompute", node.meta.get("ac_graph_id"))
+log = get_logger(__name__)
 
 
 # -- the views -------------------------------------------------------------------
@@ -357,14 +212,14 @@ class GraphView:
             label = (
                 f"{fqn.rsplit('.', 2)[-2] + '.' if fqn.count('.') else ''}{fqn.rsplit('.', 1)[-1]}"
             )
-            text = f"{label}\n{_shape_text(node)} {where}".rstrip()
+            text = f"{label}\n{shape_text(node)} {where}".rstrip()
             return [
                 f"{self._id(node)} "
-                + _attrs(label=text, shape="note", style="filled", fillcolor=fill, fontsize="9",
+                + dot_attrs(label=text, shape="note", style="filled", fillcolor=fill, fontsize="9",
                          class_=f"param {cat}{ac_class}", **extra)
             ]  # fmt: skip
         lines = []
-        primitive = node.op == "call_function" and node.target in _PRIMITIVES
+        primitive = node.op == "call_function" and node.target in PRIMITIVES
         if primitive and len(recs) == 1:
             c = recs[0]
             cid = coll_ids[id(c)]
@@ -372,16 +227,16 @@ class GraphView:
             fc = COLLECTIVE_FILL[direction(c)]
             return [
                 f"{self._id(node)} "
-                + _attrs(label=text, shape="hexagon", style="filled,bold", fillcolor=fc,
+                + dot_attrs(label=text, shape="hexagon", style="filled,bold", fillcolor=fc,
                          fontcolor="white" if direction(c) != "bwd" else "black", id=cid,
                          class_=f"collective{ac_class}", **{"tooltip": c.reason or None, **extra})
             ]  # fmt: skip
         title = op_name(node) + (f" ({role})" if role else "")
-        text = f"{title}\n{node.name}\n{_shape_text(node)} {where}".rstrip()
+        text = f"{title}\n{node.name}\n{shape_text(node)} {where}".rstrip()
         style = "filled,bold" if role else "filled"
         lines.append(
             f"{self._id(node)} "
-            + _attrs(
+            + dot_attrs(
                 label=text, shape="box", style=style, fillcolor=fill, class_=cat + ac_class, **extra
             )
         )
@@ -391,7 +246,7 @@ class GraphView:
             fc = COLLECTIVE_FILL[direction(c)]
             lines.append(
                 f"{cid} "
-                + _attrs(label=text, shape="hexagon", style="filled,bold", fillcolor=fc,
+                + dot_attrs(label=text, shape="hexagon", style="filled,bold", fillcolor=fc,
                          fontcolor="white" if direction(c) != "bwd" else "black", id=cid,
                          class_="collective", tooltip=c.reason or None, fontsize="9")
             )  # fmt: skip
@@ -407,9 +262,9 @@ class GraphView:
 
     def _header(self, name: str, title: str, rankdir: str = "TB") -> list[str]:
         return [
-            f"digraph {_q(name)} {{",
+            f"digraph {quote(name)} {{",
             f"  graph [rankdir={rankdir}, fontname=Helvetica, fontsize=11, labelloc=t, "
-            f"label={_q(title)}, nodesep=0.2, ranksep=0.3];",
+            f"label={quote(title)}, nodesep=0.2, ranksep=0.3];",
             '  node [fontname=Helvetica, fontsize=10, margin="0.06,0.03"];',
             '  edge [color="#6b7280", arrowsize=0.6];',
         ]
@@ -424,7 +279,7 @@ class GraphView:
         for k, chain in enumerate(self.chains(members)):
             out.append(f"  subgraph cluster_chain_{k} {{")
             out.append(
-                f'    graph [label={_q(chain.label)}, style="rounded,dashed", '
+                f'    graph [label={quote(chain.label)}, style="rounded,dashed", '
                 f'color="{CHAIN_COLOUR}", fontcolor="{CHAIN_COLOUR}", penwidth=1.5, '
                 f'id="{self.prefix}chain_{k}", class="bottleneck"];'
             )
@@ -444,10 +299,10 @@ class GraphView:
                     continue
                 if a not in externals:
                     externals[a] = f"x{self.index[a]}"
-                    label = f"{a.name}\n{self.group[a]} {_shape_text(a)}"
+                    label = f"{a.name}\n{self.group[a]} {shape_text(a)}"
                     out.append(
                         f"  {externals[a]} "
-                        + _attrs(label=label, shape="ellipse", style="dashed", fontsize="9",
+                        + dot_attrs(label=label, shape="ellipse", style="dashed", fontsize="9",
                                  class_="external")
                     )  # fmt: skip
                 out.append(f"  {externals[a]} -> {self._id(n)} [style=dashed];")
@@ -459,7 +314,9 @@ class GraphView:
                     sinks[g] = f"sink{len(sinks)}"
                     out.append(
                         f"  {sinks[g]} "
-                        + _attrs(label=f"→ {g}", shape="plaintext", fontsize="9", class_="external")
+                        + dot_attrs(
+                            label=f"→ {g}", shape="plaintext", fontsize="9", class_="external"
+                        )
                     )
                 out.append(f"  {self._id(n)} -> {sinks[g]} [style=dashed];")
         out.append(self._legend())
@@ -494,7 +351,7 @@ class GraphView:
             bold = g == highlight
             out.append(
                 f"  {gid[g]} "
-                + _attrs(label="\n".join(lines), shape="box", style="rounded,filled" + (",bold" if bold else ""),
+                + dot_attrs(label="\n".join(lines), shape="box", style="rounded,filled" + (",bold" if bold else ""),
                          fillcolor=fill, penwidth="2.5" if bold else None, id=f"{self.prefix}layer_{gid[g]}",
                          class_="layer")
             )  # fmt: skip
@@ -521,7 +378,7 @@ class GraphView:
         out = self._header(f"{self.prefix}graph", title or self.title)
         for k, g in enumerate(self.groups()):
             out.append(f"  subgraph cluster_{k} {{")
-            out.append(f'    graph [label={_q(g)}, style=rounded, color="#9ca3af"];')
+            out.append(f'    graph [label={quote(g)}, style=rounded, color="#9ca3af"];')
             for n in self.members(g):
                 out += ["    " + s for s in self._node_stmt(n, coll_ids)]
             out.append("  }")
@@ -569,56 +426,3 @@ def _between(down: fx.Node, up: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
         back.add(n)
         stack.extend(n.all_input_nodes)
     return back
-
-
-# -- rendering -------------------------------------------------------------------
-
-
-def dot_program() -> str | None:
-    """The Graphviz ``dot`` to run: the system's, else the one the ``draw`` extra installs.
-
-    ``pip install boost-compiler[draw]`` brings ``graphviz-pure`` (Graphviz's layout
-    engine as one static executable in a wheel), so a user with no system package
-    still gets the drawings. It is looked for beside this interpreter too, since a
-    virtual environment's scripts folder is often not on ``PATH``.
-    """
-    found = shutil.which("dot") or shutil.which("graphviz-pure")
-    if found is None:
-        beside = Path(sysconfig.get_path("scripts")) / "graphviz-pure"
-        found = str(beside) if beside.is_file() else None
-    return found
-
-
-def dot_available() -> bool:
-    return dot_program() is not None
-
-
-def render(dot_text: str, path: Path, timeout: float = 120.0) -> Path | None:
-    """Write ``path`` (``.dot``) and, when ``dot`` is installed, the ``.svg`` beside it.
-
-    Returns the SVG's path, or None without graphviz (logged once per process) or
-    when ``dot`` fails (logged).
-    """
-    global _warned_no_dot
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dot_text)
-    program = dot_program() if dot_available() else None
-    if program is None:
-        if not _warned_no_dot:
-            log.warning(
-                "graphviz's `dot` is not on PATH: writing .dot files only; for the drawings "
-                "pip install 'boost-compiler[draw]' (or apt-get install graphviz)"
-            )
-            _warned_no_dot = True
-        return None
-    svg = path.with_suffix(".svg")
-    try:
-        subprocess.run(
-            [program, "-Tsvg", "-o", str(svg), str(path)],
-            check=True, capture_output=True, timeout=timeout,
-        )  # fmt: skip
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as err:
-        stderr = getattr(err, "stderr", b"") or b""
-        log.warning("dot failed on %s: %s %s", path, err, stderr.decode(errors="replace")[-500:])
-        return None
-    return svg

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from . import draw
 
 if TYPE_CHECKING:
-    from .report import Report, Stage
+    from .result import Report, Stage
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:0;color:#111827;background:#f9fafb}

@@ -35,7 +35,7 @@ from ..tp.placement import R
 from ..tp.plan import TPPlan, input_shapes
 from . import draw
 from .dump import GraphDumper
-from .report import CollectiveRow, CostRow, Report, Stage
+from .result import CollectiveRow, CostRow, Report, Stage
 
 log = get_logger(__name__)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -28,84 +28,144 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..cli.dataclass_flags import add_dataclass_flags, flag
+from ..convert import METHODS
 from ..errors import TrainConfigError
+from ..layouts import LAYOUTS
+from ..models.cola_llama import CONFIGS
+from .schedules import SCHEDULES
+
+NONFINITE_ACTIONS = ("stop", "skip")
+MIXED_PRECISIONS = ("none", "bf16")
+TXT_UNITS = ("file", "paragraph", "line")
+
+
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--pp-layers takes comma-separated layer counts, e.g. 3,5; got {text!r}"
+        ) from None
 
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a training run. ``batch`` is the GLOBAL batch (all dp ranks)."""
+    """Everything that defines a training run. ``batch`` is the GLOBAL batch (all dp ranks).
 
-    # A preset in boost_compiler.models.cola_llama.CONFIGS, or a user's "module:function"
-    # (train/spec_module.py); which family trains is train/families.py's choice.
-    model: str = "tiny"
+    Each field with help text is also a ``boost train`` flag (cli/dataclass_flags.py): its
+    name, type, choices and default are read from here and nowhere else."""
+
+    # which family trains is train/families.py's choice
+    model: str = flag(
+        "tiny",
+        f"CoLA-LLaMA preset: {', '.join(CONFIGS)}; or pkg.module:function "
+        "/ file.py:function building your own model (train/spec_module.py)",
+    )
     model_overrides: dict[str, Any] = field(default_factory=dict)  # TOML [model] table
     # Hugging Face models instead of the preset (train/hf_model.py).
-    hf_config: str | None = None  # a transformers config folder: that model, made low-rank
-    init_from: str | None = None  # a dense HF checkpoint folder: its weights, SVD-factored
-    # --init-from's low-rank layout (cola, cola-m, loro, sltrain, boost-nanotron; "hf": boost's
-    # own or a dense folder); None: detected from the folder (boost_compiler/layouts).
-    layout: str | None = None
-    low_rank_method: str | None = None  # "cola" / "svd"; None: cola (hf_config), svd (init_from)
-    rank_ratio: float = 0.25  # r = floor(ratio * min(d_in, d_out)) to a multiple of rank_multiple
-    rank: int | None = None  # or this r for every converted layer
+    hf_config: str | None = flag(None, "train a Hugging Face model from DIR/config.json "
+        "(transformers' own class), made low-rank by to_low_rank, instead of --model",
+        unset="--model", metavar="DIR")  # fmt: skip
+    init_from: str | None = flag(None, "start from a dense Hugging Face checkpoint folder "
+        "(config.json + safetensors), SVD-factored; a boost export --format hf folder, or "
+        "another project's low-rank checkpoint (--layout), as it is",
+        unset="random init", metavar="DIR")  # fmt: skip
+    layout: str | None = flag(None, "--init-from's layout: CoLA, CoLA-M, LORO, SLTrain or the "
+        "BOOST reference's Nanotron checkpoint, imported as factor pairs; hf: a Hugging Face "
+        "folder", unset="detected from the folder", choices=("hf", *LAYOUTS))  # fmt: skip
+    low_rank_method: str | None = flag(None, "to_low_rank method", choices=METHODS,
+        unset="cola for --hf-config, svd for --init-from")  # fmt: skip
+    # r = floor(ratio * min(d_in, d_out)) to a multiple of rank_multiple
+    rank_ratio: float = flag(0.25, "rank = ratio x min(d_in, d_out) of each projection")
+    rank: int | None = flag(None, "one rank for every projection", unset="--rank-ratio")
     # Not the tp degree: the layout must be the same at every (dp, tp) for checkpoints to move.
-    rank_multiple: int = 8
-    tp: int = 1
-    dp: int | None = None  # None: world size // (tp * pp)
-    pp: int = 1  # pipeline stages (train/pipeline.py), 1F1B over `microbatches`
-    microbatches: int | None = None  # per dp rank and step, when pp > 1; None: see micro_batches
-    pp_layers: tuple[int, ...] | None = None  # decoder layers per stage; None: as even as can be
-    schedule: str = "1f1b"  # 1f1b, gpipe, interleaved-1f1b, zero-bubble (train/schedules.py)
-    virtual_stages: int | None = None  # stages per pp rank; None: 2 for the interleaved ones
-    steps: int = 100
-    stop_at: int | None = None  # leave after this many steps (schedule still over `steps`)
-    batch: int = 8  # sequences per optimizer step, summed over the dp ranks
-    seq: int = 64
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup: int = 10  # linear warm-up steps
-    weight_decay: float = 0.1
+    rank_multiple: int = flag(8, "ranks rounded down to a multiple of N, for tp degrees "
+                              "dividing it")  # fmt: skip
+    tp: int = flag(1, "tensor-parallel degree (BTP)")
+    dp: int | None = flag(None, "data-parallel degree", unset="world / tp / pp")
+    pp: int = flag(1, "pipeline stages (--schedule), each stage compiled unless --no-compile; "
+                   "checkpoints load at any (pp, dp, tp)")  # fmt: skip
+    microbatches: int | None = flag(None, "micro-batches per dp rank and step, with --pp",
+        unset="the smallest divisor of the per-rank batch >= 2 x pp, else >= pp")  # fmt: skip
+    pp_layers: tuple[int, ...] | None = flag(None, "decoder layers of each pipeline stage, "
+        "e.g. 3,5", unset="an even split, extra layers to the middle stages",
+        type=_layer_counts, metavar="N,N,...")  # fmt: skip
+    schedule: str = flag("1f1b", "pipeline schedule, torch.distributed.pipelining's; the last "
+        "two run --virtual-stages stages per rank", choices=SCHEDULES)  # fmt: skip
+    virtual_stages: int | None = flag(None, "stages per pp rank for interleaved-1f1b / "
+        "zero-bubble", unset="2 for the interleaved ones", metavar="V")  # fmt: skip
+    steps: int = flag(100, "optimizer steps in total")
+    stop_at: int | None = flag(None, "leave after this many steps, keeping the --steps "
+        "schedule (a time-limited job; rerun with --resume)", unset="--steps")  # fmt: skip
+    batch: int = flag(8, "GLOBAL batch in sequences, summed over the dp ranks")
+    seq: int = flag(64, "sequence length in tokens")
+    lr: float = flag(3e-3, "peak learning rate")
+    min_lr_ratio: float = flag(0.1, "final lr / peak lr: cosine decays to lr x ratio")
+    warmup: int = flag(10, "linear warm-up steps")
+    weight_decay: float = flag(0.1, "AdamW weight decay")
     beta1: float = 0.9
     beta2: float = 0.95
-    clip: float = 1.0  # max global gradient norm; 0 disables clipping (the norm is still logged)
-    seed: int = 0
-    data: list[str] | None = None  # .txt/.jsonl/.parquet files or folders; None: embedded corpus
-    tokenizer: str | None = None  # tokenizer.json or a transformers folder; None: UTF-8 bytes
-    text_field: str = "text"  # the jsonl / parquet field that holds a document
-    txt_unit: str = "file"  # one .txt document: "file", "paragraph" or "line"
-    eos_token: str | None = None  # the document separator; None: the tokenizer's own
-    eval_fraction: float = 0.0  # hold out this fraction of the --data documents
-    eval_data: list[str] | None = None  # or validate on these files
-    eval_every: int = 0  # validation loss every K steps (0: at the last step only)
-    eval_batches: int = 4  # global batches in the held-out set
-    checkpoint_dir: str | None = None
-    save_every: int = 0  # 0: save only at the end (when checkpoint_dir is set)
-    keep: int = 0  # keep the newest N checkpoints (0: all)
-    allow_schedule_change: bool = False  # --resume with another lr schedule than the checkpoint's
-    resume: bool = False
-    # --resume, or start over when the folder holds no intact checkpoint (the unusable
-    # step folders and the old metrics file are moved into DIR/corrupt/, never deleted).
-    resume_or_start: bool = False
-    overwrite: bool = False  # a fresh run into a used folder: delete its step_N and metrics
-    on_nonfinite: str = "stop"  # a NaN/inf loss or grad norm: "stop" (DivergenceError) or "skip"
-    metrics: str | None = None  # JSON lines file (appended to on resume)
-    plot: str | None = None  # loss-curve PNG; default: next to the metrics / checkpoints
-    tensorboard: bool = False  # scalars under <run folder>/tensorboard (the tensorboard extra)
-    peak_tflops: float | None = None  # per device, for MFU; None: known GPUs' datasheet peak
-    bf16: bool = False  # pure bf16: the model itself is cast (no fp32 master weights)
-    # "bf16": FSDP2's MixedPrecisionPolicy (fp32 master weights and AdamW moments, bf16
-    # compute, fp32 gradient reduction); "none": every number fp32 (or --bf16's).
-    mixed_precision: str = "none"
-    compile: bool = True  # torch.compile(backend="boost"); False: eager (still BTP)
-    fsdp: bool = True  # dp > 1: FSDP2 across dp; False: gradient all-reduce
-    progress: bool = True
-    throttle: float = 0.0  # seconds of sleep per step: lets tests kill a run mid-way
-    # Seconds a collective may wait for its peers before it fails (gloo/NCCL timeout).
+    clip: float = flag(1.0, "max global grad norm, 0: off (the norm is still logged)")
+    seed: int = flag(0, "model init and data order")
+    data: list[str] | None = flag(None, ".txt, .jsonl, .parquet files or folders, streamed "
+        "in order", unset="the embedded corpus", metavar="PATH")  # fmt: skip
+    tokenizer: str | None = flag(None, "tokenizer.json, or a local transformers tokenizer "
+        "folder; the model's vocab is sized from it", unset="UTF-8 bytes",
+        metavar="PATH")  # fmt: skip
+    text_field: str = flag("text", "jsonl / parquet field of the text")
+    txt_unit: str = flag("file", "one document of a .txt file", choices=TXT_UNITS)
+    eos_token: str | None = flag(None, "token put between documents, e.g. </s>",
+                                 unset="the tokenizer's EOS")  # fmt: skip
+    eval_fraction: float = flag(0.0, "hold out this fraction of the --data documents for "
+                                "validation")  # fmt: skip
+    eval_data: list[str] | None = flag(None, "validate on these files instead",
+                                       unset="no held-out files", metavar="PATH")  # fmt: skip
+    eval_every: int = flag(0, "validation loss and perplexity every K steps (0: last step "
+                           "only)")  # fmt: skip
+    eval_batches: int = flag(4, "global batches validated")
+    checkpoint_dir: str | None = flag(None, "DCP checkpoints go to DIR/step_N",
+                                      unset="no checkpoints")  # fmt: skip
+    save_every: int = flag(0, "checkpoint every K steps (0: at the end only)")
+    keep: int = flag(0, "keep the newest N checkpoints (0: all)")
+    allow_schedule_change: bool = flag(False, "--resume with other --steps/--lr/--warmup/"
+                                       "--min-lr-ratio than saved")  # fmt: skip
+    resume: bool = flag(False, "continue from DIR's newest intact checkpoint; refuses a folder "
+        "whose step folders are all unusable (an empty folder: starts at step 0)")  # fmt: skip
+    resume_or_start: bool = flag(False, "--resume, or start over when no checkpoint is "
+        "intact, moving the unusable step folders and the old metrics file into "
+        "DIR/corrupt/ (never deleted)")  # fmt: skip
+    overwrite: bool = flag(False, "a fresh run into a used folder: delete its step_N folders "
+        "and metrics first (without it such a rerun is refused)")  # fmt: skip
+    on_nonfinite: str = flag("stop", "a NaN/inf loss or gradient norm: stop with "
+        "DivergenceError (stop) or skip that optimizer step and continue (skip)",
+        choices=NONFINITE_ACTIONS)  # fmt: skip
+    metrics: str | None = flag(None, "JSON-lines metrics file (rank 0; appended to on resume)",
+                               unset="none")  # fmt: skip
+    plot: str | None = flag(None, "loss-curve PNG path",
+                            unset="next to the metrics / checkpoints")  # fmt: skip
+    tensorboard: bool = flag(False, "TensorBoard scalars under <checkpoint dir or metrics "
+                             "folder>/tensorboard (needs boost-compiler[tensorboard])")  # fmt: skip
+    peak_tflops: float | None = flag(None, "peak TFLOP/s per device for the MFU estimate",
+        unset="known GPUs' dense datasheet figure for the run's dtype; none on CPU",
+        metavar="X")  # fmt: skip
+    bf16: bool = flag(False, "pure bf16: the model cast to bf16, no fp32 master weights, "
+                      "AdamW moments and gradient reduction in bf16")  # fmt: skip
+    mixed_precision: str = flag("none", "bf16: fp32 master weights and AdamW moments, bf16 "
+        "compute, fp32 gradient reduction (FSDP2's MixedPrecisionPolicy, applied also at "
+        "dp 1); not with --bf16, --no-fsdp or --pp > 1; none: every number fp32 (or --bf16's)",
+        choices=MIXED_PRECISIONS)  # fmt: skip
+    compile: bool = flag(True, "torch.compile(backend='boost'), or eager with --no-compile "
+                         "(still BTP)")  # fmt: skip
+    fsdp: bool = flag(True, "dp > 1: FSDP2, or plain gradient all-reduce with --no-fsdp")
+    progress: bool = flag(True, "rich progress bar on rank 0")
+    throttle: float = flag(0.0, "sleep per step, s (lets tests kill a run mid-way)")
     # Long enough for the slowest legitimate wait (a peer's first compile, rank 0
     # hashing a large checkpoint for its manifest), short enough that a dead peer
     # does not keep the others waiting for torch's default 30 minutes.
-    comm_timeout: float = 600.0
-    log_every: int = 10
+    comm_timeout: float = flag(600.0, "a collective waiting longer for its peers fails, and "
+        "the run exits naming the lost rank (gloo/NCCL timeout)", metavar="SECONDS")  # fmt: skip
+    log_every: int = flag(10, "log a line every K steps")
 
     def validate(self, world: int | None = None) -> None:
         """Raise :class:`TrainConfigError` naming the first inconsistent value."""
@@ -291,7 +351,7 @@ class TrainConfig:
         if self.eval_every and not held_out:
             raise TrainConfigError("--eval-every needs a held-out split: --eval-fraction F or "
                                    "--eval-data PATH")  # fmt: skip
-        if self.txt_unit not in ("file", "paragraph", "line"):
+        if self.txt_unit not in TXT_UNITS:
             raise TrainConfigError(
                 f"txt_unit must be file, paragraph or line, not {self.txt_unit!r}"
             )
@@ -302,8 +362,6 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-NONFINITE_ACTIONS = ("stop", "skip")
-MIXED_PRECISIONS = ("none", "bf16")
 _FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
 _ALIASES = {"model_name": "model", "max_grad_norm": "clip", "no_compile": "compile"}
 
@@ -331,132 +389,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The training flags (every default suppressed: see the module docstring)."""
-    s = argparse.SUPPRESS
+    """The training flags, generated from :class:`TrainConfig`'s fields (every default
+    suppressed: see the module docstring)."""
     p.add_argument("--config", default=None, help="TOML file; flags given here win over it")
-    p.add_argument(
-        "--model",
-        default=s,
-        help="CoLA-LLaMA preset: tiny, 60m, 1b, 7b, 40b (tiny), "
-        "or pkg.module:function / file.py:function building your own model",
-    )
-    p.add_argument("--hf-config", default=s, metavar="DIR",
-                   help="train a Hugging Face model from DIR/config.json (transformers' own "
-                   "class), made low-rank by to_low_rank, instead of --model")  # fmt: skip
-    p.add_argument("--init-from", default=s, metavar="DIR",
-                   help="start from a dense Hugging Face checkpoint folder (config.json + "
-                   "safetensors), SVD-factored; a boost export --format hf folder, or another "
-                   "project's low-rank checkpoint (--layout), as it is")  # fmt: skip
-    p.add_argument("--layout", default=s,
-                   choices=("hf", "cola", "cola-m", "loro", "sltrain", "boost-nanotron"),
-                   help="--init-from's layout: CoLA, CoLA-M, LORO, SLTrain or the BOOST "
-                   "reference's Nanotron checkpoint, imported as factor pairs; hf: a Hugging "
-                   "Face folder (default: detected from the folder)")  # fmt: skip
-    p.add_argument("--low-rank-method", choices=("cola", "svd"), default=s,
-                   help="to_low_rank method (cola for --hf-config, svd for --init-from)")  # fmt: skip
-    p.add_argument("--rank-ratio", type=float, default=s,
-                   help="rank = ratio x min(d_in, d_out) of each projection (0.25)")  # fmt: skip
-    p.add_argument("--rank", type=int, default=s, help="one rank for every projection")
-    p.add_argument("--rank-multiple", type=int, default=s,
-                   help="ranks rounded down to a multiple of N, for tp degrees dividing it (8)")  # fmt: skip
-    p.add_argument("--tp", type=int, default=s, help="tensor-parallel degree (BTP) (1)")
-    p.add_argument("--dp", type=int, default=s, help="data-parallel degree (world / tp / pp)")
-    p.add_argument("--pp", type=int, default=s,
-                   help="pipeline stages (--schedule), each stage compiled unless --no-compile; "
-                   "checkpoints load at any (pp, dp, tp) (1)")  # fmt: skip
-    p.add_argument("--microbatches", type=int, default=s,
-                   help="micro-batches per dp rank and step, with --pp (the smallest divisor "
-                   "of the per-rank batch >= 2 x pp, else >= pp)")  # fmt: skip
-    p.add_argument("--pp-layers", type=_layer_counts, default=s, metavar="N,N,...",
-                   help="decoder layers of each pipeline stage, e.g. 3,5 (default: an even "
-                   "split, extra layers to the middle stages)")  # fmt: skip
-    p.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble"),
-                   default=s, help="pipeline schedule, torch.distributed.pipelining's; the "
-                   "last two run --virtual-stages stages per rank (1f1b)")  # fmt: skip
-    p.add_argument("--virtual-stages", type=int, default=s, metavar="V",
-                   help="stages per pp rank for interleaved-1f1b / zero-bubble (2)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=s, help="optimizer steps in total (100)")
-    p.add_argument("--stop-at", type=int, default=s,
-                   help="leave after this many steps, keeping the --steps schedule "
-                   "(a time-limited job; rerun with --resume)")  # fmt: skip
-    p.add_argument("--batch", type=int, default=s, help="GLOBAL batch in sequences (8)")
-    p.add_argument("--seq", type=int, default=s, help="sequence length in tokens (64)")
-    p.add_argument("--lr", type=float, default=s, help="peak learning rate (3e-3)")
-    p.add_argument("--warmup", type=int, default=s, help="linear warm-up steps (10)")
-    p.add_argument("--min-lr-ratio", type=float, default=s, help="final lr / peak lr (0.1)")
-    p.add_argument("--weight-decay", type=float, default=s, help="AdamW weight decay (0.1)")
-    p.add_argument("--clip", type=float, default=s, help="max global grad norm, 0: off (1.0)")
-    p.add_argument("--seed", type=int, default=s, help="model init and data order (0)")
-    p.add_argument("--data", nargs="+", default=s, metavar="PATH",
-                   help=".txt, .jsonl, .parquet files or folders, streamed in order "
-                   "(default: the embedded corpus)")  # fmt: skip
-    p.add_argument("--tokenizer", default=s, metavar="PATH",
-                   help="tokenizer.json, or a local transformers tokenizer folder; the model's "
-                   "vocab is sized from it (default: UTF-8 bytes)")  # fmt: skip
-    p.add_argument("--text-field", default=s, help="jsonl / parquet field of the text (text)")
-    p.add_argument("--txt-unit", choices=("file", "paragraph", "line"), default=s,
-                   help="one document of a .txt file (file)")  # fmt: skip
-    p.add_argument("--eos-token", default=s,
-                   help="token put between documents (the tokenizer's EOS, e.g. </s>)")  # fmt: skip
-    p.add_argument("--eval-fraction", type=float, default=s,
-                   help="hold out this fraction of the --data documents for validation (0)")  # fmt: skip
-    p.add_argument("--eval-data", nargs="+", default=s, metavar="PATH",
-                   help="validate on these files instead")  # fmt: skip
-    p.add_argument("--eval-every", type=int, default=s,
-                   help="validation loss and perplexity every K steps (0: last step only)")  # fmt: skip
-    p.add_argument("--eval-batches", type=int, default=s, help="global batches validated (4)")
-    p.add_argument("--checkpoint-dir", default=s, help="DCP checkpoints go to DIR/step_N")
-    p.add_argument("--save-every", type=int, default=s, help="checkpoint every K steps")
-    p.add_argument("--resume", action="store_true", default=s,
-                   help="continue from DIR's newest intact checkpoint; refuses a folder whose "
-                   "step folders are all unusable (an empty folder: starts at step 0)")  # fmt: skip
-    p.add_argument("--resume-or-start", action="store_true", default=s,
-                   help="--resume, or start over when no checkpoint is intact, moving the "
-                   "unusable step folders and the old metrics file into DIR/corrupt/")  # fmt: skip
-    p.add_argument("--overwrite", action="store_true", default=s,
-                   help="a fresh run into a used folder: delete its step_N folders and "
-                   "metrics first (without it such a rerun is refused)")  # fmt: skip
-    p.add_argument("--on-nonfinite", choices=NONFINITE_ACTIONS, default=s,
-                   help="a NaN/inf loss or gradient norm: stop with DivergenceError (stop, "
-                   "the default) or skip that optimizer step and continue (skip)")  # fmt: skip
-    p.add_argument("--keep", type=int, default=s, help="keep the newest N checkpoints (all)")
-    p.add_argument("--allow-schedule-change", action="store_true", default=s,
-                   help="--resume with other --steps/--lr/--warmup/--min-lr-ratio than saved")  # fmt: skip
-    p.add_argument("--metrics", default=s, help="JSON-lines metrics file (rank 0)")
-    p.add_argument("--plot", default=s, help="loss-curve PNG path")
-    p.add_argument("--tensorboard", action="store_true", default=s,
-                   help="TensorBoard scalars under <checkpoint dir or metrics folder>/"
-                   "tensorboard (needs boost-compiler[tensorboard])")  # fmt: skip
-    p.add_argument("--peak-tflops", type=float, default=s, metavar="X",
-                   help="peak TFLOP/s per device for the MFU estimate (default: known GPUs' "
-                   "dense datasheet figure for the run's dtype; none on CPU)")  # fmt: skip
-    p.add_argument("--bf16", action="store_true", default=s,
-                   help="pure bf16: the model cast to bf16, no fp32 master weights, AdamW "
-                   "moments and gradient reduction in bf16")  # fmt: skip
-    p.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default=s,
-                   help="bf16: fp32 master weights and AdamW moments, bf16 compute, fp32 "
-                   "gradient reduction (FSDP2's MixedPrecisionPolicy, applied also at dp 1); "
-                   "not with --bf16, --no-fsdp or --pp > 1 (none)")  # fmt: skip
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=s,
-                   help="torch.compile(backend='boost') (default) or eager (--no-compile)")  # fmt: skip
-    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=s,
-                   help="dp > 1: FSDP2 (default) or plain gradient all-reduce (--no-fsdp)")  # fmt: skip
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=s,
-                   help="rich progress bar on rank 0 (default on)")  # fmt: skip
-    p.add_argument("--throttle", type=float, default=s, help="sleep per step, s (tests)")
-    p.add_argument("--comm-timeout", type=float, default=s, metavar="SECONDS",
-                   help="a collective waiting longer for its peers fails, and the run exits "
-                   "naming the lost rank (600)")  # fmt: skip
-    p.add_argument("--log-every", type=int, default=s, help="log a line every K steps (10)")
-
-
-def _layer_counts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--pp-layers takes comma-separated layer counts, e.g. 3,5; got {text!r}"
-        ) from None
+    add_dataclass_flags(p, TrainConfig)
 
 
 def from_args(args: argparse.Namespace) -> TrainConfig:

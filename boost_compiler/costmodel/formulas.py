@@ -3,7 +3,7 @@
 Why symbolic: the same formulas explain the measured numbers on a 2-core CPU
 and extrapolate them to the paper's scale (7B at TP4), and a formula can be
 checked against the collectives ``parallelize`` actually inserts
-(:func:`plan_comm`), so a wrong term cannot hide behind a benchmark's noise.
+(:func:`.plans.plan_comm`), so a wrong term cannot hide behind a benchmark's noise.
 
 Symbols (all per layer of a LLaMA block; ``hd = d / H``): ``b`` batch,
 ``s`` sequence, ``d`` hidden, ``d_ff`` MLP width, ``r`` bottleneck rank,
@@ -44,23 +44,19 @@ backward). Per token and layer (MHA; ``kv = H_kv d / H`` replaces d for k, v):
 
 ``fused=True`` counts Megatron's fused QKV / gate-up column layers (one
 backward all-reduce per distinct input); ``fused=False`` one per column-
-parallel module, as torch DTensor's per-module plans do (README's measured
+parallel module, as torch DTensor's per-module plans do (docs/benchmarks.md's measured
 DTensor bytes match it).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sympy as sp
 
-from ._logging import get_logger
-from .errors import ShardingError, UnknownConfigError
-
-if TYPE_CHECKING:
-    from .tp.plan import TPPlan
+from .._logging import get_logger
+from ..errors import ShardingError, UnknownConfigError
 
 log = get_logger(__name__)
 
@@ -420,146 +416,3 @@ def step_bytes(
         out[f"{way}_bytes"] = _int(dims.n_layers * layer.bytes + extra.bytes, subs)
         out[f"{way}_collectives"] = _int(dims.n_layers * layer.count + extra.count, subs)
     return out
-
-
-# -- from a captured plan -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PlanComm:
-    """Bytes and collectives of a :class:`~boost_compiler.tp.plan.TPPlan`, per step."""
-
-    forward_bytes: int
-    backward_bytes: int
-    forward_collectives: int
-    backward_collectives: int
-    rows: tuple[tuple[Any, int], ...]  # (Collective, payload bytes), in plan order
-
-
-def plan_comm(plan: TPPlan) -> PlanComm:
-    """Sum the plan's collectives by direction, with the payload convention above.
-
-    Norm statistics are counted at 4 bytes: ``tp_ops`` reduces them in fp32, while
-    the plan records the norm input's dtype (they differ for a bf16 model).
-    """
-    rows = []
-    totals = {"fb": 0, "bb": 0, "fc": 0, "bc": 0}
-    for c in plan.collectives:
-        item = STAT_BYTES if c.reason == "norm statistics" else c.dtype.itemsize
-        nbytes = math.prod(int(x) for x in c.global_shape) * item
-        rows.append((c, nbytes))
-        for flag, key in ((c.forward, "f"), (c.backward, "b")):
-            if flag:
-                totals[key + "b"] += nbytes
-                totals[key + "c"] += 1
-    return PlanComm(totals["fb"], totals["bb"], totals["fc"], totals["bc"], tuple(rows))
-
-
-@dataclass(frozen=True)
-class PipelineBoundary:
-    """What one micro-batch moves across one pipeline-stage boundary (bytes, one tp rank).
-
-    ``p2p`` is the activation sent forward (the gradient sent back is as large): the
-    hidden shard ``[b/m, s, d/p]``. ``tp_gather`` is what the boundary adds inside the
-    tp groups: nothing, since the stages take and return their hidden shard
-    (``tp/boundary.py``; before, 4 all-gathers of ``[b/m, s, d]`` per boundary and
-    micro-batch, the stage graph's replicated output and the receiver's re-assembly).
-    """
-
-    p2p: int
-    tp_gather: int
-
-
-def pipeline_boundary_bytes(
-    b: int, s: int, d: int, p: int, m: int, elem_bytes: int = 4
-) -> PipelineBoundary:
-    """Bytes per micro-batch across a stage boundary of ``b x s`` tokens in ``m`` micro-batches."""
-    if b % m or d % p:
-        raise ValueError(f"b={b} must divide by m={m} and d={d} by p={p}")
-    full = (b // m) * s * d * elem_bytes
-    return PipelineBoundary(p2p=full // p, tp_gather=0)
-
-
-# -- multi-head latent attention (DeepSeek-V2/V3) ----------------------------------
-#
-# One MLA block, per rank and token, two plans (BOOST.md, "Latent attention is a
-# bottleneck too"); ``qk = nope + rope``, ``e`` bytes per activation element:
-#
-#   torchtitan (its DeepSeek-V3 TP plan, with its sequence parallelism): the block's
-#     input is all-gathered (d); wq_a / wkv_a are replicated, every rank computes
-#     them in full; wq_b / wkv_b column-parallel on heads; wo row-parallel, its output
-#     reduce-scattered (d). Backward: wo's all-gather (d), the colwise inputs'
-#     gradients r_q and r_kv + rope (the shared rotary key's, summed over heads).
-#   BTP: the a-projections row-parallel on the hidden shard (d/p of their FLOPs),
-#     one all-reduce of the latents [r_q + r_kv + rope] (``boost``: grouped, the
-#     input norm's statistic in it, fp32 like every online-norm payload; ``btp``: one
-#     per projection at e, and the statistic apart); the norms run on the replicated
-#     latents; b-projections and wo as torchtitan's (so only the latent part differs).
-#     Backward: wo's all-gather (d), the f of q_b's and kv_b's inputs (r_q, r_kv)
-#     and of the rotary key (rope): the same elements as torchtitan's.
-#
-# FLOPs: the projections' GEMMs (2 per multiply-add). The attention core and the
-# norms are the same in both plans and left out.
-
-
-@dataclass(frozen=True)
-class MlaDims:
-    """Sizes of one MLA block (``q_lora_rank``: the q latent; DeepSeek-V2-Lite's is absent)."""
-
-    name: str
-    d: int
-    n_heads: int
-    q_lora_rank: int
-    kv_lora_rank: int
-    rope_dim: int  # qk_rope_head_dim
-    nope_dim: int  # qk_nope_head_dim
-    v_dim: int  # v_head_dim
-
-
-MLA_CONFIGS = {
-    c.name: c
-    for c in (
-        MlaDims("deepseek-v3", 7168, 128, 1536, 512, 64, 128, 128),
-        MlaDims("deepseek-v2", 5120, 128, 1536, 512, 64, 128, 128),
-    )
-}
-
-
-@dataclass(frozen=True)
-class MlaCost:
-    """One plan for one MLA block: per rank and token, forward bytes are payloads (above)."""
-
-    plan: str
-    forward_bytes: int
-    backward_bytes: int
-    forward_collectives: int
-    backward_collectives: int
-    flops: int  # forward GEMM FLOPs per rank (backward: twice these)
-    gemms: tuple[tuple[str, int], ...]  # (projection, FLOPs per rank)
-
-
-def mla_cost(dims: MlaDims | str, tp: int, dtype: str = "bf16") -> dict[str, MlaCost]:
-    """``torchtitan``, ``btp`` and ``boost`` for one MLA block at ``tp`` (see above)."""
-    m = MLA_CONFIGS[dims] if isinstance(dims, str) else dims
-    if m.n_heads % tp or m.d % tp:
-        raise ShardingError(f"{m.name}: heads {m.n_heads} and d {m.d} must divide by tp={tp}")
-    e, heads = DTYPE_BYTES[dtype], m.n_heads // tp
-    q, kv = m.q_lora_rank, m.kv_lora_rank + m.rope_dim  # what each a-projection produces
-    b_proj = [
-        ("q_b", 2 * q * heads * (m.nope_dim + m.rope_dim)),
-        ("kv_b", 2 * m.kv_lora_rank * heads * (m.nope_dim + m.v_dim)),
-        ("o", 2 * heads * m.v_dim * m.d),
-    ]
-    backward = (m.d + q + kv) * e  # wo's all-gather, then the latents' and k_pe's gradients
-
-    def plan(name: str, share: int, fwd: int, n_fwd: int, n_bwd: int, bwd: int) -> MlaCost:
-        gemms = (("q_a", 2 * m.d * q // share), ("kv_a", 2 * m.d * kv // share), *b_proj)
-        flops = sum(f for _, f in gemms)
-        return MlaCost(name, fwd, bwd, n_fwd, n_bwd, flops, gemms)
-
-    return {
-        "torchtitan": plan("torchtitan", 1, 2 * m.d * e, 2, 3, backward),
-        # the statistic travels apart, forward and backward (sharded_rms_norm)
-        "btp": plan("btp", tp, STAT_BYTES + (q + kv + m.d) * e, 4, 5, backward + STAT_BYTES),
-        "boost": plan("boost", tp, (q + kv + 1) * STAT_BYTES + m.d * e, 2, 4, backward),
-    }
