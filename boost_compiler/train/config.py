@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..cli.dataclass_flags import add_dataclass_flags, flag
 from ..convert import METHODS
 from ..errors import TrainConfigError
 from ..layouts import LAYOUTS
 from ..models.cola_llama import CONFIGS
+from .flags import add_dataclass_flags, flag
 from .schedules import SCHEDULES
 
 NONFINITE_ACTIONS = ("stop", "skip")
@@ -53,7 +53,7 @@ def _layer_counts(text: str) -> tuple[int, ...]:
 class TrainConfig:
     """Everything that defines a training run. ``batch`` is the GLOBAL batch (all dp ranks).
 
-    Each field with help text is also a ``boost train`` flag (cli/dataclass_flags.py): its
+    Each field with help text is also a ``boost train`` flag (train/flags.py): its
     name, type, choices and default are read from here and nowhere else."""
 
     # which family trains is train/families.py's choice
