@@ -31,8 +31,8 @@ from .ir.placeholder import shadow_param
 from .ir.subgraphs import calls, inline_all
 from .options import BoostOptions
 from .passes import TP_REQUIRED, BoostPass, PassContext
+from .passes.activation_checkpoint import inline_tagged_regions
 from .passes.base import _digest
-from .passes.checkpoint import inline_tagged_regions
 from .passes.driver import run_pipeline
 from .tp.collectives import graph_collectives
 from .tp.plan import input_shapes, predicted_bytes
@@ -140,7 +140,7 @@ def _inline_regions(gm: fx.GraphModule, opts: BoostOptions) -> None:
     backend as ``invoke_subgraph`` nodes, whose backward torch runs only under
     AOTAutograd's fake mode: run as-is the graph fails in backward with a bare
     AssertionError. Under ``checkpoint``: torch 2.13 cannot partition a body that
-    recomputes a random op (:func:`~boost_compiler.passes.checkpoint.inline_tagged_regions`).
+    recomputes a random op (:func:`~boost_compiler.passes.activation_checkpoint.inline_tagged_regions`).
     The bodies are inlined as the passes left them, so every lowering of a parallelized
     model runs the same per-block plan (planned whole, a model's parameters fixed per
     block could meet a rule that wants them otherwise: a gather).

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import OptionTypeError, UnknownOptionError
-from .passes.pipeline import PIPELINE
+from .passes.order import PIPELINE
 
 
 @dataclass(frozen=True)

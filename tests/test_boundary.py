@@ -1,4 +1,4 @@
-"""Shard boundaries (``tp/boundary.py``): a graph input and output kept on the tp shards.
+"""Shard boundaries (``tp/shard_boundary.py``): a graph input and output kept on the tp shards.
 
 On torch's fake process group (one process, p=2): ``parallelize`` of a module whose
 forward takes its hidden state as ``from_tp_shards(x)`` and returns ``to_tp_shard(h)``
@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from boost_compiler.errors import ShardingError
-from boost_compiler.tp.boundary import from_tp_shards, to_tp_shard
 from boost_compiler.tp.collectives import fake_process_group
+from boost_compiler.tp.shard_boundary import from_tp_shards, to_tp_shard
 
 
 class _Stage(nn.Module):

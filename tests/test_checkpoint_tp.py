@@ -32,7 +32,7 @@ def test_lowrank_checkpoint_adds_no_collective(modes: dict) -> None:
 
     Not in Inductor's graphs: with per-block compilation the model without checkpointing
     lowers a body per block, called per layer, while checkpointing lowers one inlined graph
-    (``passes/checkpoint.py``). ``"full"`` is compared in ``tests/test_seams.py``.
+    (``passes/activation_checkpoint.py``). ``"full"`` is compared in ``tests/test_seams.py``.
     """
     assert modes["bwd_collectives_True"] == modes["bwd_collectives_False"] > 0
 

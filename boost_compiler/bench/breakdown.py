@@ -44,7 +44,7 @@ COMM_PREFIXES = ("_c10d_functional::", "c10d::", "c10d_functional::", "record_pa
 COMM_NAMES = frozenset({
     "_c10d_functional::wait_tensor", "aten::wait_tensor",
     # boost's own start/wait pairs (boost_compiler/lowering/poll_waits.py) and the pipeline
-    # stages' sharded boundary (an all-gather: boost_compiler/tp/boundary.py)
+    # stages' sharded boundary (an all-gather: boost_compiler/tp/shard_boundary.py)
     "boost::all_reduce_start", "boost::all_gather_start", "boost::collective_wait",
     "boost::from_tp_shards",
 })  # fmt: skip

@@ -51,7 +51,7 @@ class PipelineBoundary:
     ``p2p`` is the activation sent forward (the gradient sent back is as large): the
     hidden shard ``[b/m, s, d/p]``. ``tp_gather`` is what the boundary adds inside the
     tp groups: nothing, since the stages take and return their hidden shard
-    (``tp/boundary.py``; before, 4 all-gathers of ``[b/m, s, d]`` per boundary and
+    (``tp/shard_boundary.py``; before, 4 all-gathers of ``[b/m, s, d]`` per boundary and
     micro-batch, the stage graph's replicated output and the receiver's re-assembly).
     """
 

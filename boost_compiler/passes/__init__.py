@@ -9,15 +9,15 @@ whose docstring states the invariant it keeps; a pass is switched off with
 
 from __future__ import annotations
 
+from .activation_checkpoint import Checkpoint
 from .base import BoostPass, PassContext
 from .btp import BottleneckTP
-from .checkpoint import Checkpoint
 from .detect_bottlenecks import DetectBottlenecks
 from .functionalize import Functionalize
 from .group_linears import GroupLinears
 from .inline_regions import InlineRegions
 from .online_norm import OnlineNorm
-from .pipeline import FRONT, PIPELINE, TP_REQUIRED
+from .order import FRONT, PIPELINE, TP_REQUIRED
 from .reduce_scatter_grads import ReduceScatterGrads
 
 __all__ = [

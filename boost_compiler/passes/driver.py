@@ -19,7 +19,7 @@ from .._logging import get_logger
 from ..errors import OptionTypeError
 from ..ir.subgraphs import distinct_bodies
 from .base import BoostPass, PassContext
-from .pipeline import PIPELINE
+from .order import PIPELINE
 
 log = get_logger(__name__)
 
@@ -28,7 +28,7 @@ class PassOptions(Protocol):
     """What the driver reads of :class:`boost_compiler.options.BoostOptions`.
 
     A protocol, not an import: the options validate their names against
-    :data:`.pipeline.PIPELINE`, so they sit above the passes and the passes never import them.
+    :data:`.order.PIPELINE`, so they sit above the passes and the passes never import them.
     """
 
     @property

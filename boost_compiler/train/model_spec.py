@@ -61,7 +61,7 @@ class ModelSpec:
     def stage(self, model: nn.Module, spec: StageSpec, boundary_group: str | None) -> nn.Module:
         """``model`` restricted to ``spec``'s layers, parameters under the whole model's
         names; with ``boundary_group`` (tp > 1) the hidden enters with ``from_tp_shards``
-        and leaves with ``to_tp_shard`` (``tp/boundary.py``)."""
+        and leaves with ``to_tp_shard`` (``tp/shard_boundary.py``)."""
         raise NotImplementedError
 
     def attention_dims(self, model: nn.Module) -> tuple[int, int] | None:

@@ -14,7 +14,7 @@ Invariant: what crosses a stage boundary is this tp rank's hidden shard
 ``[b/m, s, d/tp]``, sent to the same tp rank of the next stage, with no collective on
 either side of the wire, and the pipelined step computes the single-device step
 exactly. How: each stage's forward takes the shard in with ``from_tp_shards`` and hands
-its hidden on with ``to_tp_shard`` (``tp/boundary.py``); inside the stage's
+its hidden on with ``to_tp_shard`` (``tp/shard_boundary.py``); inside the stage's
 parallelized graph both are aliases of the residual stream's ``S(-1)`` shard, so
 neither the sender's output nor the receiver's input is all-gathered, forward or
 backward (``tests/test_pipeline.py`` counts gloo's events against the whole model's).

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import PipelineError
-from ..tp.boundary import from_tp_shards, to_tp_shard
+from ..tp.shard_boundary import from_tp_shards, to_tp_shard
 from .stages import StageSpec
 
 __all__ = ["CHECKED", "hf_dims", "hf_stage"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BoostError, PipelineError
-from ..tp.boundary import from_tp_shards, to_tp_shard
+from ..tp.shard_boundary import from_tp_shards, to_tp_shard
 from .config import TrainConfig, TrainConfigError
 from .model_spec import ModelSpec, same_on_every_rank
 from .stages import StageSpec

@@ -1,4 +1,4 @@
-"""Rules of the shard-boundary ops (``tp/boundary.py``): a graph input or output kept on its shards.
+"""Rules of the shard-boundary ops (``tp/shard_boundary.py``): a graph input or output kept on its shards.
 
 ``from_tp_shards(x, dim, group)`` means "the tensor the ranks' blocks ``x`` make up":
 where ``x`` is a graph input that nothing else reads, its value is placed ``S(dim)``
@@ -18,8 +18,8 @@ import torch.fx as fx
 from ...errors import ShardingError
 from ...ir.op_table import add_spelling
 from ...ir.ops import shape_of
-from ..boundary import BOUNDARY_OPS
 from ..placement import R, S
+from ..shard_boundary import BOUNDARY_OPS
 from ..strategy import Call, Read, RuleContext, Strategy
 from .registry import rule
 

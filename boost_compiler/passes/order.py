@@ -7,9 +7,9 @@ This module imports the passes and nothing that imports it back.
 
 from __future__ import annotations
 
+from .activation_checkpoint import Checkpoint
 from .base import BoostPass
 from .btp import BottleneckTP
-from .checkpoint import Checkpoint
 from .detect_bottlenecks import DetectBottlenecks
 from .functionalize import Functionalize
 from .group_linears import GroupLinears
