@@ -9,7 +9,8 @@ its own call communicates (a sharded norm's statistics). Bytes are what a rank s
 with ring algorithms (all-reduce ``2(p-1)/p N``, all-gather and reduce-scatter
 ``(p-1)/p N``), forward plus backward; a gradient is only sent for a value that
 requires one. Work every rank repeats on a whole value is counted too, as the FLOPs a
-sharded evaluation would have saved.
+sharded evaluation would have saved, and so is memory: a parameter the strategy fixes
+replicated is held whole on every rank (``held``, priced in ``Cost.seconds``).
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ def per_token(v: Any, width: int) -> float:
     if not isinstance(v, torch.Tensor) or v.dim() == 0:
         return 0.0
     return float(v.numel() // v.shape[-1] * width * 4)
+
+
+def held(v: Any, p: int) -> Cost:
+    """A parameter ``v`` kept whole on every rank: the ``(p-1)/p`` of it (and of its gradient,
+    when it has one) that a split would leave on the other ranks."""
+    if not isinstance(v, torch.Tensor):
+        return Cost()
+    return Cost(held=gather(nbytes(v), p) * (1 + bool(v.requires_grad)))
 
 
 def replicated_work(node: fx.Node, p: int) -> Cost:

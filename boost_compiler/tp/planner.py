@@ -217,8 +217,13 @@ class Walk:
         return best[2]
 
     def cost_of(self, node: fx.Node, s: Strategy) -> Cost:
-        """What ``s`` adds on this rank (``tp/plan_cost.py``): conversions, f, its own call."""
-        parts = [s.cost, *(self._read_cost(node, s, a) for a in _inputs(node, s))]
+        """What ``s`` adds on this rank (``tp/plan_cost.py``): conversions, f, its own call,
+        and the open parameters it fixes replicated (each held whole on every rank)."""
+        inputs = _inputs(node, s)
+        parts = [s.cost, *(self._read_cost(node, s, a) for a in inputs)]
+        if not s.keep_open:
+            parts += [cost.held(value_of(a), self.p) for a in inputs
+                      if self.is_open(a) and not s.fix.get(a, R).is_shard]  # fmt: skip
         if s.then is not None:
             parts.append(cost.conversion(value_of(node), P, s.then.to, self.p))
         if s.out == R and s.fuse is None:

@@ -84,13 +84,22 @@ class Cost:
     ``logical``: the same collectives' sizes as nccl-tests count them (an all-reduce's
     input, an all-gather's result, a reduce-scatter's input), what ``benchmarks/``
     measure from gloo's events; ``collectives``: how many (each pays the latency);
-    ``replicated_flops``: work every rank repeats that one rank's share would do.
+    ``replicated_flops``: work every rank repeats that one rank's share would do;
+    ``held``: parameter bytes every rank keeps whole that a split would leave with the
+    others (``(p-1)/p`` of each weight the strategy fixes replicated, and of its gradient).
+
+    Why memory is priced in seconds: the planner compares alternatives by one number, and
+    a weight kept whole costs each rank its bytes for the whole run (a frozen LoRA base
+    is most of a rank's memory). A byte held is priced as one byte sent per step, so a
+    weight stays whole only where splitting it would send more per step than the part
+    of it a rank would no longer hold.
     """
 
     wire: float = 0.0
     collectives: int = 0
     replicated_flops: float = 0.0
     logical: float = 0.0
+    held: float = 0.0
 
     def __add__(self, other: Cost) -> Cost:
         return Cost(
@@ -98,12 +107,13 @@ class Cost:
             self.collectives + other.collectives,
             self.replicated_flops + other.replicated_flops,
             self.logical + other.logical,
+            self.held + other.held,
         )
 
     def seconds(self, model: CostModel) -> float:
         return (
             self.collectives * model.latency
-            + self.wire / model.bandwidth
+            + (self.wire + self.held) / model.bandwidth
             + self.replicated_flops / model.flops
         )
 

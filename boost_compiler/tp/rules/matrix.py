@@ -5,8 +5,10 @@ its node. A down factor is row-parallel (its input split on the contracted
 dim, the partial result all-reduced at once, so no op ever reads a partial
 value); an up factor is column-parallel (full input, output split on its
 last dim, per block when every consumer splits a fused output into pieces).
-A head whose logits reach a loss may go vocabulary-parallel (``vocab``);
-any other contraction with a weight runs dense on full values. Contractions
+A head whose logits reach a loss may go vocabulary-parallel (``vocab``).
+A frozen weight with no role (a LoRA base) is split column- or row-parallel
+as the factors are, or kept whole, as the planner weighs them (its memory
+counted); any other contraction with a weight runs dense on full values. Contractions
 of two activations (attention's ``q @ k^T``) are batched over the sharded
 head dim and stay local when neither contracted dim is the shard.
 """
@@ -19,10 +21,10 @@ import torch
 import torch.fx as fx
 
 from ...ir.op_table import op_kind
-from ...ir.ops import as_contraction, contraction_operands, shape_of
+from ...ir.ops import Contraction, as_contraction, contraction_operands, shape_of
 from ..placement import P, Placement, R, S
 from ..strategy import Call, RuleContext, Strategy, Then, fallback
-from .core import aligned, tensor_inputs
+from .core import aligned, requires_grad, tensor_inputs
 from .registry import rule
 from .slicing import sliced_blocks, split_sizes
 from .vocab import tied_vocab_split, vocab_parallel_head, vocab_parallel_lookup
@@ -67,7 +69,59 @@ def contraction(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     if head is not None:
         return head
     # A dense consumer of the hidden (LM head, classifier): full input, full weight.
+    if ctx.is_open(c.weight) and not requires_grad(c.weight):
+        return _frozen(ctx, node, c, w_in, x_pl in (S(x_nd - 1), R))
     return Strategy(out=R, whole=True)
+
+
+def _frozen(
+    ctx: RuleContext, node: fx.Node, c: Contraction, w_in: int, row_ok: bool
+) -> list[Strategy]:
+    """A frozen weight with no bottleneck role (a LoRA base, ``requires_grad=False``) split
+    as the factors are: column-parallel (input whole, output split) like an up factor, or
+    row-parallel (input split, partial sum converted) like a down factor; or kept whole.
+    Each is exact; the planner weighs them, memory included (``Cost.held``): split, the
+    weight needs no backward collective of its own, having no gradient. The row-parallel
+    split keeps the input's layout: reduce-scattered from a hidden shard, all-reduced from
+    a replicated input.
+
+    Split only where the split dim divides by ``p``, and not where readers cut the output
+    into pieces (a fused q/k/v would need a blocked split, which a saved plan may force
+    only on an up factor: ``parallel/plan_fit.py``).
+    """
+    name = ctx.param_name(c.weight)
+    w_shape, nd = shape_of(c.weight), len(shape_of(node))
+    whole = Strategy(out=R, whole=True, label="whole", note=f"{name}: frozen weight kept whole")
+    if _cut(node, nd - 1):
+        whole.note += " (its output is cut into pieces: a split would need blocks)"
+        return [whole]
+    found: list[Strategy] = []
+    if not w_shape[1 - w_in] % ctx.p:
+        s = Strategy(out=S(nd - 1), label="column-parallel").read(c.input, R)
+        s.note = f"{name}: frozen weight, column-parallel (its {c.d_out} outputs split)"
+        if _take(ctx, s, node, c.weight, S(1 - w_in)) and (
+            c.bias is None or _take(ctx, s, node, c.bias, S(0))
+        ):
+            found.append(s)
+    if row_ok and not w_shape[w_in] % ctx.p:
+        s = Strategy(out=P, note=f"{name}: frozen weight, row-parallel (its {c.d_in} inputs split)")
+        if _take(ctx, s, node, c.weight, S(w_in)):
+            x_whole = ctx.placement(c.input) == R
+            if x_whole:
+                s.read(c.input, S(len(shape_of(c.input)) - 1))
+            # A hidden shard in, a hidden shard out (reduce-scattered): the base's output is
+            # summed with its adapter's, a shard. An all-reduce would hand the sum a whole
+            # value to slice, which the one-step lookahead cannot see where the adapter's
+            # term is computed after the base (``F.linear(x, W) + lora(x) * scale``).
+            found += [r for r in _row_parallel(ctx, s, node, c.bias) if x_whole or r.then.to != R]
+    return [*found, whole]
+
+
+def _cut(node: fx.Node, dim: int) -> bool:
+    """Whether a reader splits or slices ``node`` along ``dim`` into pieces."""
+    return any(split_sizes(u, dim) is not None for u in node.users) or (
+        sliced_blocks(node, dim) is not None
+    )
 
 
 def _refused(s: Strategy) -> Strategy:
