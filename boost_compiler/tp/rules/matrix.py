@@ -64,7 +64,9 @@ def contraction(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
         if _take(ctx, s, node, c.weight, S(w_in)):
             if x_pl == R:
                 s.read(c.input, S(x_nd - 1))
-            return _row_parallel(ctx, s, node, c.bias)
+            found = _row_parallel(ctx, s, node, c.bias)
+            # A frozen base split so by parallelize: the alternatives it was decided among.
+            return found if role or requires_grad(c.weight) else _same_layout(found, x_pl)
     head = vocab_parallel_head(ctx, node, c)  # an LM head whose logits reach a loss
     if head is not None:
         return head
@@ -106,15 +108,20 @@ def _frozen(
     if row_ok and not w_shape[w_in] % ctx.p:
         s = Strategy(out=P, note=f"{name}: frozen weight, row-parallel (its {c.d_in} inputs split)")
         if _take(ctx, s, node, c.weight, S(w_in)):
-            x_whole = ctx.placement(c.input) == R
-            if x_whole:
+            x_pl = ctx.placement(c.input)
+            if x_pl == R:
                 s.read(c.input, S(len(shape_of(c.input)) - 1))
-            # A hidden shard in, a hidden shard out (reduce-scattered): the base's output is
-            # summed with its adapter's, a shard. An all-reduce would hand the sum a whole
-            # value to slice, which the one-step lookahead cannot see where the adapter's
-            # term is computed after the base (``F.linear(x, W) + lora(x) * scale``).
-            found += [r for r in _row_parallel(ctx, s, node, c.bias) if x_whole or r.then.to != R]
+            found += _same_layout(_row_parallel(ctx, s, node, c.bias), x_pl)
     return [*found, whole]
+
+
+def _same_layout(rows: list[Strategy], x_pl: Placement) -> list[Strategy]:
+    """A frozen base's row-parallel sums, kept in its input's layout where they can be: a
+    hidden shard in, a hidden shard out (reduce-scattered). The base's output is summed with
+    its adapter's, a shard; an all-reduce would hand that sum a whole value to slice, which
+    the one-step lookahead cannot see where the adapter's term is computed after the base
+    (``F.linear(x, W) + lora(x) * scale``)."""
+    return [r for r in rows if x_pl == R or r.then is None or r.then.to != R] or rows
 
 
 def _cut(node: fx.Node, dim: int) -> bool:
