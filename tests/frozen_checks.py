@@ -38,16 +38,17 @@ class LoRALinear(nn.Module):
 
     base = "weight"  # the frozen weight's name in this module
 
-    def __init__(self, d_in: int, d_out: int, alpha: float = 16.0) -> None:
+    def __init__(self, d_in: int, d_out: int, bias: bool = False, alpha: float = 16.0) -> None:
         super().__init__()
         self.weight = _frozen(torch.randn(d_out, d_in) / math.sqrt(d_in))
+        self.bias = _frozen(0.1 * torch.randn(d_out)) if bias else None
         self.lora_A = nn.Parameter(torch.randn(RANK, d_in) / math.sqrt(d_in))
         self.lora_B = nn.Parameter(0.02 * torch.randn(d_out, RANK))
         self.scaling = alpha / RANK
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lora = x @ self.lora_A.transpose(0, 1) @ self.lora_B.transpose(0, 1)
-        return F.linear(x, self.weight) + lora * self.scaling
+        return F.linear(x, self.weight, self.bias) + lora * self.scaling
 
 
 class RMSNorm(nn.Module):
@@ -73,9 +74,11 @@ class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.attn_norm, self.mlp_norm = RMSNorm(), RMSNorm()
-        self.q, self.k, self.v, self.o = (LoRALinear(D, D) for _ in range(4))
+        # Frozen biases where Qwen2 has them (q/k/v), and on the row-parallel down projection.
+        self.q, self.k, self.v = (LoRALinear(D, D, bias=True) for _ in range(3))
+        self.o = LoRALinear(D, D)
         self.gate, self.up = LoRALinear(D, FF), LoRALinear(D, FF)
-        self.down = LoRALinear(FF, D)
+        self.down = LoRALinear(FF, D, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -156,7 +159,8 @@ def frozen_whole(model: nn.Module, plan: Any) -> Any:
     from boost_compiler import TPPlan
     from boost_compiler.tp.placement import R
 
-    bases = {f"{n}.{m.base}" for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    lora = [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A")]
+    bases = {f"{n}.{m.base}" for n, m in lora} | {f"{n}.{m.base[:-6]}bias" for n, m in lora}
     params = {n: R if n in bases else pl for n, pl in plan.params.items()}
     return TPPlan(p=plan.p, group=plan.group, params=params)
 
@@ -242,6 +246,9 @@ def lora_training(
                 res["grad_err"], res["grad_worst"] = err, f"{name} (step {i})"
         for opt in opts:
             opt.step()
+    # What a single-device model loads: every frozen weight gathered whole, unchanged.
+    saved = boost_compiler.gather_state_dict(model)
+    res["state_dict_changed"] = [n for n, t in frozen0.items() if not torch.equal(saved[n], t)]
     params = dict(model.named_parameters())
     res["frozen_changed"] = [
         n for n, t in frozen0.items()

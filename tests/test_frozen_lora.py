@@ -24,10 +24,11 @@ CHECKS = {
     "eager": (None, False),
     "compiled": ("eager", False),
     "whole": (None, True),  # the frozen weights forced replicated: the plan before
+    "inductor": ("inductor", False),
     # HF's Llama with PEFT-style LoRA modules; lr 1e-3 as tests.tp_harness.compare_training_hf
     "peft_hf": (None, False, "peft_hf", 1e-3),
 }
-SLOW = ["peft_hf"]
+SLOW = ["peft_hf", "inductor"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def two() -> dict:
     return run_world(2, checks, slow=SLOW)
 
 
-@pytest.mark.parametrize("how", ["eager", "compiled", "peft_hf"])
+@pytest.mark.parametrize("how", ["eager", "compiled", "inductor", "peft_hf"])
 def test_lora_on_frozen_llama_is_exact_with_frozen_weights_split(two: dict, how: str) -> None:
     res = result_of(two, how)
     assert res["fallbacks"] == [], res["fallbacks"]
@@ -44,6 +45,7 @@ def test_lora_on_frozen_llama_is_exact_with_frozen_weights_split(two: dict, how:
         assert rank["loss_err"] <= RTOL and rank["grad_err"] <= RTOL, rank
         assert rank["param_err"] <= RTOL, rank["param_err"]
         assert rank["frozen_grads"] == [] and rank["frozen_changed"] == [], rank
+        assert rank["state_dict_changed"] == [], rank["state_dict_changed"]
         # Every rank holds at most 0.55 of one device's parameter bytes.
         assert rank["bytes_ratio"] <= 0.55, (rank["bytes_ratio"], rank["replicated"])
     assert res["lora_trainable"] and all("lora_" in n for n in res["lora_trainable"])

@@ -142,7 +142,8 @@ class Choice:
     """One choice of the planner: the alternatives it weighed and their predicted costs.
 
     ``seconds``: label -> predicted time on this rank (alpha-beta communication plus the
-    work done whole), the alternative's own cost plus its readers' cheapest response;
+    work done whole, plus the parameter bytes it holds whole priced as ``Cost.held`` says),
+    the alternative's own cost plus its readers' cheapest response;
     ``wire``: label -> bytes a rank sends for it, forward plus backward.
     """
 
