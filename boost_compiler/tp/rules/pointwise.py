@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from ...ir.op_table import op_kind
 from ...ir.ops import shape_of
+from ...ir.subgraphs import body_nodes
 from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
 from ..strategy import Call, RuleContext, Strategy, fallback
@@ -126,18 +127,17 @@ def autograd_function(ctx: RuleContext, node: fx.Node) -> Strategy:
     """
     tensors = tensor_inputs(node)
     pl = ctx.placement(tensors[0]) if len(tensors) == 1 else R
-    owner = node.graph.owning_module
-    bodies = [getattr(owner, a.target, None) for a in node.args[:2] if isinstance(a, fx.Node)]
+    bodies = body_nodes(node)
     if not pl.is_shard or pl.blocks or len(bodies) != 2 or not all(map(_elementwise, bodies)):
         return fallback()
     return Strategy(out=pl)
 
 
-def _elementwise(body: object) -> bool:
+def _elementwise(body: list[fx.Node] | None) -> bool:
     """Every call in ``body`` is element-wise on body values and Python scalars."""
-    if not isinstance(body, fx.GraphModule):
+    if body is None:
         return False
-    for n in body.graph.nodes:
+    for n in body:
         if n.op in ("placeholder", "output"):
             continue
         if n.op != "call_function" and n.op != "call_method":
