@@ -3,8 +3,9 @@
 ``R`` replicated (every rank holds the full, identical value), ``S(d)`` sharded
 in contiguous blocks along dim ``d`` (rank i holds block i), ``P`` partial (the
 value is the sum of the ranks' tensors). A shard may be *blocked*: dim ``d``
-is a concatenation of logical blocks (a fused q/k/v projection's three outputs)
-and rank i holds the i-th slice of every block, so a ``split`` into the blocks
+is a concatenation of logical blocks (a fused q/k/v projection's three outputs, or
+the heads of each sequence once batch and heads are merged) and rank i holds the i-th
+slice of every block, so a ``split`` into the blocks, or a view back to ``[b, H, ..]``,
 works on the local tensor and yields plain shards. The same vocabulary as DTensor's
 Replicate/Shard/Partial; DTensor itself is not used because the placements here
 are decided per FX node by the compiler, and the graph stays plain tensors.

@@ -3,13 +3,15 @@
 Invariant: a view moves no values between ranks, so a shard stays a shard,
 on the dim the view maps it to (:func:`~boost_compiler.tp.placement.shard_through_view`),
 and the call is rewritten to the local shape: a size argument on the shard dim
-is divided by ``p`` (or becomes ``-1``, "keep"). A view that would split a
-rank's block across output dims, or merge it with a leading dim, is not local:
-it falls back. Every rule here reads one tensor (``view_as`` reads only the other's
-shape), so it only runs on a shard. The
-one exception to "no values move": a key/value head split on its head dim and
-repeated to every query head may be gathered before the repetition instead, where
-the planner finds that cheaper than its attention gathering the copies.
+is divided by ``p`` (or becomes ``-1``, "keep"). A shard merged behind a leading dim
+(Bloom's ``[b, H, s, hd] -> [b*H, s, hd]``) becomes equal blocks of the merged dim, and
+their split back a plain shard (:func:`~boost_compiler.tp.placement.blocks_through_view`);
+a view that would split a rank's block across output dims is not local: it falls back.
+Every rule here reads one tensor (``view_as`` reads only the other's shape), so it only
+runs on a shard. The exceptions to "no values move": a key/value head split on its head
+dim and repeated to every query head may be gathered before the repetition instead, where
+the planner finds that cheaper than its attention gathering the copies, and a single
+key/value head viewed out of a feature shard is gathered at that view.
 """
 
 from __future__ import annotations
