@@ -71,3 +71,23 @@ def test_hf_family_exact_without_fallback(two: dict, family: str, compiled: bool
     assert res["param"] <= RTOL, res
     for rank in res["ranks"]:
         assert max(rank["grad"]) <= RTOL and max(rank["loss"]) <= RTOL, rank
+
+
+def test_heads_merged_into_the_batch_are_equal_blocks_of_the_local_merge() -> None:
+    """``[b, H, s] -> [b*H, s]`` with ``H`` split: each rank's local merge is its slice of
+    every sequence's heads (``S(0, blocks=[H]*b)``), the view back a plain head shard; a
+    split the blocks do not line up with is refused, and ``rank_major`` undoes ``unblock``."""
+    import torch
+
+    from boost_compiler.tp.placement import S, blocks_through_view, rank_major, unblock
+
+    merged = blocks_through_view((2, 4, 16, 8), (8, 16, 8), S(1), 2)
+    assert merged == S(0, (4, 4)), merged
+    assert blocks_through_view((8, 16, 8), (2, 4, 16, 8), merged, 2) == S(1)
+    assert blocks_through_view((8, 16, 8), (4, 2, 16, 8), merged, 2) is None
+    x = torch.randn(2, 4, 3)
+    for r in range(2):
+        local = x[:, 2 * r : 2 * r + 2].reshape(4, 3)  # what rank r's view computes
+        assert torch.equal(local, merged.shard(x.reshape(8, 3), r, 2))
+    flat = x.reshape(8, 3)
+    assert torch.equal(unblock(rank_major(flat, 0, (4, 4), 2), 0, (4, 4), 2), flat)
