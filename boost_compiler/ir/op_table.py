@@ -47,6 +47,8 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "mish": (F.mish,),
     "hardswish": (F.hardswish,),
     "dropout": (F.dropout,),
+    # a custom autograd.Function's apply: dynamo traces its forward and backward as bodies
+    "autograd_function_apply": (torch.ops.higher_order.autograd_function_apply,),
     # comparisons and selection
     "gt": (operator.gt, torch.gt, "gt"),
     "lt": (operator.lt, torch.lt, "lt"),
@@ -78,6 +80,7 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "matmul": (torch.matmul, operator.matmul, "matmul", "__matmul__"),
     "mm": (torch.mm, "mm"),
     "bmm": (torch.bmm,),
+    "baddbmm": (torch.baddbmm, "baddbmm"),
     "addmm": (torch.addmm,),
     "sdpa": (F.scaled_dot_product_attention,),
     "embedding": (F.embedding,),
@@ -94,6 +97,7 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "unsqueeze": ("unsqueeze",),
     "squeeze": ("squeeze",),
     "expand": ("expand",),
+    "broadcast_to": (torch.broadcast_to, "broadcast_to"),
     "repeat_interleave": ("repeat_interleave",),
     # slicing and joining
     "getitem": (operator.getitem,),

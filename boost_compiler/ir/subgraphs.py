@@ -38,6 +38,19 @@ def body_of(node: fx.Node) -> fx.GraphModule:
     return getattr(gm, node.args[0].target)
 
 
+def body_nodes(node: fx.Node) -> list[list[fx.Node] | None]:
+    """The nodes of each module a higher-order op's ``get_attr`` arguments name (a custom
+    ``autograd.Function``'s forward and backward bodies), in order; None for one that is
+    not a GraphModule."""
+    gm = node.graph.owning_module
+    found = [getattr(gm, a.target, None) for a in node.args if _is_attr(a)]
+    return [list(b.graph.nodes) if isinstance(b, fx.GraphModule) else None for b in found]
+
+
+def _is_attr(arg: Any) -> bool:
+    return isinstance(arg, fx.Node) and arg.op == "get_attr"
+
+
 def operands(node: fx.Node) -> tuple[Any, ...]:
     """What a region call passes its body's placeholders, in order."""
     return tuple(node.args[2:])

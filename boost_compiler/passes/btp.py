@@ -25,6 +25,7 @@ from ..analysis.bottlenecks import Bottleneck
 from ..tp import rules
 from ..tp.apply import apply_plan
 from ..tp.collectives import graph_collectives
+from ..tp.head_views import split_head_views
 from ..tp.placement import Placement
 from ..tp.planner import PlanRequest, plan_graph
 from ..tp.regions import RegionPlanner
@@ -42,6 +43,8 @@ class BottleneckTP(BoostPass):
         "boost_compiler.tp.planner",
         "boost_compiler.tp.apply",
         "boost_compiler.tp.strategy",
+        "boost_compiler.tp.placement",
+        "boost_compiler.tp.head_views",
         *rules.MODULES,
         "boost_compiler.tp.sharded_ops",
         "boost_compiler.tp.collectives",
@@ -66,6 +69,8 @@ class BottleneckTP(BoostPass):
         )
         # Two steps: the rules decide every placement (the graph is unchanged), then the
         # one applier rewrites the graph as planned.
+        # Exact on values, and what lets the rules place a fused projection read by heads.
+        split_head_views(gm.graph)
         walk = plan_graph(gm.graph, request)
         result = apply_plan(gm, walk)
         self.ctx.notes["btp"] = result

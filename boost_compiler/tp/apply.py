@@ -28,7 +28,7 @@ from ..ir.ops import value_of
 from ..ir.subgraphs import drop_unused_bodies
 from . import collectives as C
 from .copy_site import copy_site
-from .placement import P, Placement, R, S, unblock
+from .placement import P, Placement, R, S, rank_major, unblock
 from .planner import Walk
 from .regions import CallPlan
 from .rules.core import requires_grad
@@ -122,7 +122,8 @@ class Applier:
         if read.placement == R:
             return self.to_replicate(arg, user, read.reason)
         if read.placement.is_shard:
-            return self.to_shard(arg, read.placement.dim, user, read.reason)
+            pl = read.placement
+            return self.to_shard(arg, pl.dim, user, read.reason, pl.blocks)
         return arg  # P: a partial read as is (only its own conversion reads it)
 
     def _then(self, node: fx.Node, s: Strategy) -> None:
@@ -202,12 +203,16 @@ class Applier:
             self.converted[key] = new
         return self.converted[key]
 
-    def to_shard(self, arg: Any, dim: int, user: fx.Node, reason: str = "") -> Any:
+    def to_shard(
+        self, arg: Any, dim: int, user: fx.Node, reason: str = "", blocks: tuple[int, ...] = ()
+    ) -> Any:
         if not isinstance(arg, fx.Node):
             return arg
         pl = self.env.get(arg, R)
-        if pl == S(dim):
+        if pl == S(dim, blocks):
             return arg
+        if blocks:
+            return self._to_blocks(arg, S(dim, blocks), user, reason)
         if pl == P:  # partial sums to shards: one reduce-scatter, not all-reduce + slice
             key = (arg, S(dim))
             if key not in self.converted:
@@ -230,6 +235,25 @@ class Applier:
                     C.scatter_to_tp, (arg, dim, self.group, self.rank, self.p)
                 )
             self.env[new] = S(dim)
+            self.converted[key] = new
+        return self.converted[key]
+
+    def _to_blocks(self, arg: fx.Node, want: Placement, user: fx.Node, reason: str) -> fx.Node:
+        """Read as a blocked shard: the whole value reordered rank-major, then scattered."""
+        if self.env.get(arg, R) != R:
+            arg = self.to_replicate(arg, user, reason or "reshard")
+        key = (arg, want)
+        if key not in self.converted:
+            with self.graph.inserting_after(arg):
+                ordered = self.graph.call_function(rank_major, (arg, want.dim, want.blocks, self.p))
+            ordered.meta["example_value"] = value_of(arg)
+            self.env[ordered] = R
+            with self.graph.inserting_after(ordered):
+                new = self.graph.call_function(
+                    C.scatter_to_tp, (ordered, want.dim, self.group, self.rank, self.p)
+                )
+            new.meta["example_value"] = value_of(arg)
+            self.env[new] = want
             self.converted[key] = new
         return self.converted[key]
 

@@ -3,8 +3,9 @@
 ``R`` replicated (every rank holds the full, identical value), ``S(d)`` sharded
 in contiguous blocks along dim ``d`` (rank i holds block i), ``P`` partial (the
 value is the sum of the ranks' tensors). A shard may be *blocked*: dim ``d``
-is a concatenation of logical blocks (a fused q/k/v projection's three outputs)
-and rank i holds the i-th slice of every block, so a ``split`` into the blocks
+is a concatenation of logical blocks (a fused q/k/v projection's three outputs, or
+the heads of each sequence once batch and heads are merged) and rank i holds the i-th
+slice of every block, so a ``split`` into the blocks, or a view back to ``[b, H, ..]``,
 works on the local tensor and yields plain shards. The same vocabulary as DTensor's
 Replicate/Shard/Partial; DTensor itself is not used because the placements here
 are decided per FX node by the compiler, and the graph stays plain tensors.
@@ -12,6 +13,7 @@ are decided per FX node by the compiler, and the graph stays plain tensors.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,6 +96,16 @@ def unblock(gathered: torch.Tensor, dim: int, blocks: Sequence[int], p: int) -> 
     return S(dim, blocks).unshard(gathered.chunk(p, dim))
 
 
+def rank_major(full: torch.Tensor, dim: int, blocks: Sequence[int], p: int) -> torch.Tensor:
+    """A replicated value reordered so that a plain scatter hands each rank its blocked shard.
+
+    The inverse of :func:`unblock`; plain differentiable tensor ops, so the scatter's
+    backward (an all-gather of the gradient) composes with it.
+    """
+    pl = S(dim, blocks)
+    return torch.cat([pl.shard(full, r, p) for r in range(p)], dim)
+
+
 def view_groups(src: Sequence[Any], dst: Sequence[Any]) -> list[tuple[list[int], list[int]]]:
     """Pair runs of source dims with runs of destination dims of equal numel.
 
@@ -163,3 +175,65 @@ def shard_through_view(
 
 def _static(x: Any) -> bool:
     return isinstance(x, int)
+
+
+# More blocks than this and a merged shard is gathered instead: its placement is written
+# out block by block (plans, explain), and a merge of tokens is no head layout anyway.
+MAX_BLOCKS = 1024
+
+
+def blocks_through_view(
+    src: Sequence[Any], dst: Sequence[Any], pl: Placement, p: int
+) -> Placement | None:
+    """Where a shard that a plain view cannot keep contiguous lands: as equal blocks.
+
+    Two cases, each the same local tensor on every rank, so the view stays local:
+
+    * a merge whose sharded dim is not the leading one, ``[b, H, s] -> [b*H, s]`` with
+      ``H`` split (Bloom's ``reshape(batch * heads, ...)``): the merged dim is ``b``
+      blocks, each ``H`` times the merged dims after it long, and each rank holds its
+      contiguous slice of every block, ``S(0, blocks=[H]*b)``;
+    * the inverse split of such equal blocks, ``[b*H, s] -> [b, H, s]``: the plain shard
+      of the first dim after the ``b`` prefix.
+
+    A blocked shard whose dim the view leaves alone keeps its blocks. None for anything
+    else (a view that moves values across ranks: the caller gathers). Static sizes only.
+    """
+    if not pl.is_shard or not all(_static(x) for x in (*src, *dst)):
+        return None
+    for gi, gj in view_groups(src, dst):
+        if pl.dim not in gi:
+            continue
+        core_i = [d for d in gi if src[d] != 1] or [pl.dim]
+        core_j = [d for d in gj if dst[d] != 1]
+        if not core_j:
+            return None
+        if pl.blocks:
+            if core_i != [pl.dim]:
+                return None
+            if len(core_j) == 1:  # the blocked dim itself, under a new index
+                return S(core_j[0], pl.blocks)
+            return _split_blocks(pl.blocks, [dst[d] for d in core_j], core_j, p)
+        if len(core_j) != 1 or pl.dim not in core_i or core_i[0] == pl.dim:
+            return None
+        at = core_i.index(pl.dim)
+        count = math.prod(src[d] for d in core_i[:at])
+        block = math.prod(src[d] for d in core_i[at:])
+        if src[pl.dim] % p or count > MAX_BLOCKS:
+            return None
+        return S(core_j[0], (block,) * count)
+    return None
+
+
+def _split_blocks(
+    blocks: tuple[int, ...], sizes: list[int], dims: list[int], p: int
+) -> Placement | None:
+    """Equal blocks split into ``[count, ...]``: the first dim after the count is sharded."""
+    if len(set(blocks)) != 1:
+        return None
+    prefix = 1
+    for m, size in enumerate(sizes):
+        if prefix == len(blocks):
+            return S(dims[m]) if size % p == 0 else None
+        prefix *= size
+    return None

@@ -36,7 +36,10 @@ def _is_weight_contraction(ctx: RuleContext, node: fx.Node) -> bool:
 
 
 # always: the contraction decides its weight's placement from its role, whatever its input.
-@rule("linear", "matmul", "mm", "addmm", guard=_is_weight_contraction, always=True)
+# reads_blocks: a fused weight's transpose (``x @ W.T``) is read blocked, as the weight is;
+# a blocked input is read whole (column-parallel, a vocabulary head) or gathered.
+@rule("linear", "matmul", "mm", "addmm", guard=_is_weight_contraction, always=True,
+      reads_blocks=True)  # fmt: skip
 def contraction(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     c = as_contraction(node, ctx.param_names())
     assert c is not None
@@ -58,6 +61,8 @@ def contraction(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     # local columns and all-reduces the partial logits. Exact, and it keeps
     # one layout for the one tensor; gathering the weight instead would
     # cost V*d per step against b*s*V here.
+    if x_pl.blocks:  # read whole below (row-parallel needs a plain split of its input)
+        x_pl = R
     row_parallel = role == "down" or ctx.peek(c.weight) == S(w_in)
     if row_parallel and x_pl in (S(x_nd - 1), R):
         s = Strategy(out=P)
@@ -204,7 +209,7 @@ def fused_blocks(ctx: RuleContext, node: fx.Node) -> tuple[int, ...]:
     grouped GEMM's, ``experts.py``.)
     """
     nd = len(shape_of(node))
-    found = {split_sizes(u, nd - 1) for u in node.users}
+    found = {split_sizes(u, -1) for u in _last_dim_readers(node)}
     if len(found) != 1 or None in found:
         found = {sliced_blocks(node, nd - 1)}  # q = qkv[..., :a]; k = qkv[..., a:b]; ...
         if None in found:
@@ -215,9 +220,31 @@ def fused_blocks(ctx: RuleContext, node: fx.Node) -> tuple[int, ...]:
     return sizes
 
 
-@rule("matmul", "bmm", "sdpa")
+def _last_dim_readers(node: fx.Node) -> list[fx.Node]:
+    """``node``'s readers, through ``unsqueeze`` ops that keep its last dim last
+    (GPT-BigCode's ``c_attn(x).unsqueeze(1).split(sizes, dim=3)``): the blocked shard
+    moves through them (``views.dim_move``) to the split that reads it."""
+    found = []
+    for user in node.users:
+        nd = len(shape_of(user) or ())
+        at = user.args[1] if op_kind(user) == "unsqueeze" and len(user.args) == 2 else None
+        if isinstance(at, int) and user.args[0] is node and at % max(nd, 1) != nd - 1:
+            found += _last_dim_readers(user)
+        else:
+            found.append(user)
+    return found
+
+
+@rule("matmul", "sdpa")
+@rule("bmm", "baddbmm", reads_blocks=True)
 def same_shard(ctx: RuleContext, node: fx.Node) -> Strategy:
-    """Ops that act independently along a batch-like sharded dim (attention heads)."""
+    """Ops that act independently along a batch-like sharded dim (attention heads).
+
+    The batched matrix products also take that dim as equal blocks, every input alike
+    (Bloom's batch and heads merged, ``[b*H, s, hd]``: each rank multiplies its heads of
+    every sequence); a replicated input (ALiBi's ``[b*H, 1, s]`` bias) is read as the same
+    blocks, sliced locally.
+    """
     tensors = tensor_inputs(node)
     out = shape_of(node)
     nd = len(out)
@@ -240,19 +267,20 @@ def same_shard(ctx: RuleContext, node: fx.Node) -> Strategy:
         regathered = {a for a in tensors[1:] if pls[a].is_shard and at(a) != k}
         pls.update({a: R for a in regathered})
         dims = {k}
-    if len(dims) != 1 or None in dims or P in pls.values() or any(pl.blocks for pl in pls.values()):
+    blocks = {pl.blocks for pl in pls.values() if pl.is_shard}
+    if len(dims) != 1 or None in dims or P in pls.values() or len(blocks) != 1:
         return fallback()
-    [k] = dims
+    [k], [blk] = dims, blocks
     if k >= nd - 2:  # the attention's own seq/feature dims must stay whole
         return fallback()
-    s = Strategy(out=S(k))
+    s = Strategy(out=S(k, blk))
     why = "to the queries' heads"
     for a in tensors:
         if pls[a] == R:
             sh = shape_of(a)
             j = k - (nd - len(sh))
             if j >= 0 and sh[j] != 1:
-                s.read(a, S(j), why if a in regathered else "")
+                s.read(a, S(j, blk), why if a in regathered else "")
             elif a in regathered:
                 s.read(a, R, why)
     return s

@@ -7,14 +7,19 @@ the same shard (no communication) unless it broadcasts along the shard dim.
 Inputs sharded on different output dims cannot be combined locally: they fall
 back. Dropout is the one op here whose values are random; it draws an
 independent mask per shard. ``x.new_empty(sizes)`` and its kin read only ``x``'s
-dtype and device: shaped like the shard, they are made locally, never gathered.
+dtype and device: shaped like the shard, they are made locally, never gathered. A custom
+``autograd.Function`` whose forward and backward are both element-wise (Bloom's GELU) is
+one such op: its bodies run on the shard as they are.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
+from ...ir.op_table import op_kind
 from ...ir.ops import shape_of
+from ...ir.subgraphs import body_nodes
 from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
 from ..strategy import Call, RuleContext, Strategy, fallback
@@ -105,3 +110,45 @@ def dropout(ctx: RuleContext, node: fx.Node) -> Strategy:
     pl = ctx.placement(x)
     args = (x, bound["p"], bound["training"], pl.dim, ctx.rank, ctx.p)
     return Strategy(out=pl, call=Call(tp_ops.sharded_dropout, args))
+
+
+_SCALARS = (int, float, bool)
+
+
+@rule("autograd_function_apply")
+def autograd_function(ctx: RuleContext, node: fx.Node) -> Strategy:
+    """``torch.autograd.Function.apply(x)`` of one plain shard, element-wise both ways.
+
+    Dynamo traces the forward and the backward into two bodies; where each only combines
+    its tensor inputs (``x``; the gradient and what was saved, all of ``x``'s shape) with
+    Python scalars through element-wise ops, each rank's call computes its shard of the
+    output and of the input gradient. Any other body (a reduction, a captured tensor, a
+    non-tensor result) falls back.
+    """
+    tensors = tensor_inputs(node)
+    pl = ctx.placement(tensors[0]) if len(tensors) == 1 else R
+    bodies = body_nodes(node)
+    if not pl.is_shard or pl.blocks or len(bodies) != 2 or not all(map(_elementwise, bodies)):
+        return fallback()
+    return Strategy(out=pl)
+
+
+def _elementwise(body: list[fx.Node] | None) -> bool:
+    """Every call in ``body`` is element-wise on body values and Python scalars."""
+    if body is None:
+        return False
+    for n in body:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op != "call_function" and n.op != "call_method":
+            return False
+        if n.target is torch._C._set_grad_enabled:
+            continue
+        operands = [*n.args, *n.kwargs.values()]
+        if (
+            op_kind(n) not in ELEMENTWISE
+            or op_kind(n) == "where"
+            or not all(isinstance(a, (fx.Node, *_SCALARS)) for a in operands)
+        ):
+            return False
+    return True

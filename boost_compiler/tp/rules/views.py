@@ -3,13 +3,15 @@
 Invariant: a view moves no values between ranks, so a shard stays a shard,
 on the dim the view maps it to (:func:`~boost_compiler.tp.placement.shard_through_view`),
 and the call is rewritten to the local shape: a size argument on the shard dim
-is divided by ``p`` (or becomes ``-1``, "keep"). A view that would split a
-rank's block across output dims, or merge it with a leading dim, is not local:
-it falls back. Every rule here reads one tensor (``view_as`` reads only the other's
-shape), so it only runs on a shard. The
-one exception to "no values move": a key/value head split on its head dim and
-repeated to every query head may be gathered before the repetition instead, where
-the planner finds that cheaper than its attention gathering the copies.
+is divided by ``p`` (or becomes ``-1``, "keep"). A shard merged behind a leading dim
+(Bloom's ``[b, H, s, hd] -> [b*H, s, hd]``) becomes equal blocks of the merged dim, and
+their split back a plain shard (:func:`~boost_compiler.tp.placement.blocks_through_view`);
+a view that would split a rank's block across output dims is not local: it falls back.
+Every rule here reads one tensor (``view_as`` reads only the other's shape), so it only
+runs on a shard. The exceptions to "no values move": a key/value head split on its head
+dim and repeated to every query head may be gathered before the repetition instead, where
+the planner finds that cheaper than its attention gathering the copies, and a single
+key/value head viewed out of a feature shard is gathered at that view.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ...errors import ShardingError
 from ...ir.op_table import op_kind
 from ...ir.ops import shape_of, value_of, weight_step
 from .. import plan_cost as cost
-from ..placement import R, S, shard_through_view
+from ..placement import R, S, blocks_through_view, shard_through_view
 from ..strategy import Call, RuleContext, Strategy, fallback
 from .core import describe
 from .registry import rule
@@ -37,34 +39,61 @@ def _sizes(node: fx.Node) -> tuple:
     return tuple(sizes)
 
 
-@rule("view", "reshape", "flatten")
+@rule("view", "reshape", "flatten", reads_blocks=True)
 def view(ctx: RuleContext, node: fx.Node) -> Strategy:
     x = node.args[0]
     pl = ctx.placement(x)
     src, dst = shape_of(x), shape_of(node)
-    moved = shard_through_view(src, dst, pl.dim, ctx.p)
+    moved = None if pl.blocks else shard_through_view(src, dst, pl.dim, ctx.p)
+    # Not contiguous after the view, yet local: a merge behind another dim (Bloom's
+    # ``reshape(batch * heads, ...)``) as equal blocks, and their split back.
+    out = blocks_through_view(src, dst, pl, ctx.p) if moved is None else None
+    if moved is None and out is None:
+        return fallback()
     if op_kind(node) == "flatten":
         # Its arguments are dims, not sizes: the same call flattens the local
         # shard. Exact when the shard dim leads its merged group (or is outside
         # it), which shard_through_view checks: each rank's block stays whole.
-        if moved is None or moved[1] % ctx.p:
+        if out is not None:
+            return Strategy(out=out)
+        if moved[1] % ctx.p:
             return fallback()
         return Strategy(out=S(moved[0]))
     sizes = _sizes(node)
-    if moved is None or len(sizes) != len(dst):
+    if len(sizes) != len(dst):
         return fallback()
-    k, divisor = moved
-    if divisor % ctx.p:
-        raise ShardingError(
-            f"{describe(node)}: dimension {k} of size {divisor} (heads or hidden) is not "
-            f"divisible by the tensor-parallel degree p={ctx.p}"
-        )
+    if out is None:
+        k, divisor = moved
+        if divisor % ctx.p:
+            raise ShardingError(
+                f"{describe(node)}: dimension {k} of size {divisor} (heads or hidden) is not "
+                f"divisible by the tensor-parallel degree p={ctx.p}"
+            )
+        if _single_head(src, dst, pl.dim, k):
+            return Strategy(out=R, whole=True, label="one key/value head, whole on every rank")
+        out = S(k)
+    k = out.dim
     new_sizes = list(sizes)
     if isinstance(new_sizes[k], int) and new_sizes[k] != -1:
         new_sizes[k] //= ctx.p
     elif not (isinstance(new_sizes[k], int) and new_sizes[k] == -1):
         return fallback()
-    return Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
+    return Strategy(out=out, call=_with_args(node, (x, *new_sizes)))
+
+
+def _single_head(src: tuple, dst: tuple, dim: int, k: int) -> bool:
+    """A feature shard viewed as one head, ``[b, s, hd] -> [b, s, 1, hd]`` (multi-query
+    attention's key or value): gathered here, at its smallest, once.
+
+    One head cannot split on the heads, and every head-wise op of it reads all its
+    features (rotary's halves, ``k[..., :hd // 2]``, then the attention of every query
+    head): kept on its features it is gathered later anyway, after rotary's slices fell
+    back, or after the expansion to the query heads at ``n_head`` times the bytes.
+    """
+    return (
+        len(dst) >= 2 and dim == len(src) - 1 and k == len(dst) - 1
+        and dst[-2] == 1 and src[-1] == dst[-1]
+    )  # fmt: skip
 
 
 @rule("view_as")
@@ -102,7 +131,9 @@ def _with_args(node: fx.Node, args: tuple) -> Call:
     return Call(node.target, args, dict(node.kwargs), node.op)
 
 
-@rule("transpose", "permute", "unsqueeze", "squeeze")
+# reads_blocks: a blocked dim moves with its blocks (Bloom's keys transposed while their
+# batch and heads are merged; GPT-BigCode's fused output unsqueezed before its split).
+@rule("transpose", "permute", "unsqueeze", "squeeze", reads_blocks=True)
 def dim_move(ctx: RuleContext, node: fx.Node) -> Strategy:
     x = node.args[0]
     pl = ctx.placement(x)
@@ -119,8 +150,8 @@ def dim_move(ctx: RuleContext, node: fx.Node) -> Strategy:
         k = pl.dim + (1 if u <= pl.dim else 0)
     else:  # squeeze: which dims go depends on sizes, which the shard changes
         return fallback()
-    # Moving a dim keeps its blocks: only a parameter's blocked shard gets here (a fused
-    # expert weight ``gate_up_proj.transpose(-2, -1)``), and its grouped GEMM reads blocks.
+    # Moving a dim keeps its blocks: a parameter's (a fused expert weight
+    # ``gate_up_proj.transpose(-2, -1)``, read by its grouped GEMM) or an activation's.
     return Strategy(out=S(k, pl.blocks))
 
 
@@ -165,10 +196,12 @@ def transpose_2d(ctx: RuleContext, node: fx.Node) -> Strategy:
     x = node.args[0]
     pl = ctx.placement(x)
     nd = len(shape_of(x) or ())
+    if nd == 2:  # blocks and all: a fused weight's ``W.T`` (Falcon's ``x @ self.weight.T``)
+        return Strategy(out=S(1 - pl.dim, pl.blocks))
     if pl.blocks:
         return fallback()
-    if nd <= 2:
-        return Strategy(out=S(1 - pl.dim) if nd == 2 else pl)
+    if nd < 2:
+        return Strategy(out=pl)
     attr = node.args[1] if node.target is getattr and len(node.args) == 2 else node.target
     if attr == "mT":
         swap = {nd - 1: nd - 2, nd - 2: nd - 1}
@@ -195,7 +228,7 @@ def complex_view(ctx: RuleContext, node: fx.Node) -> Strategy:
     return Strategy(out=S(pl.dim))
 
 
-@rule("expand")
+@rule("expand", "broadcast_to")
 def expand(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     """``expand`` broadcasts size-1 dims and adds leading ones; a sharded dim keeps its size.
 
@@ -215,7 +248,9 @@ def expand(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
         return fallback()
     new_sizes = list(sizes)
     new_sizes[k] = -1
-    kept = Strategy(out=S(k), call=_with_args(node, (x, *new_sizes)))
+    # ``torch.broadcast_to(x, shape)`` (Falcon's key/value groups) is ``x.expand(*shape)``
+    call = Call("expand", (x, *new_sizes), {}, "call_method")
+    kept = Strategy(out=S(k), call=call)
     return _or_gathered_first(ctx, node, kept)
 
 
@@ -232,7 +267,7 @@ def repeat_interleave(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strate
 
 # Ops between a key/value expansion and the attention that reads it (they move no values).
 _KV_PATH = ("view", "reshape", "flatten", "transpose", "permute", "t", "contiguous",
-            "unsqueeze", "expand", "repeat_interleave", "cast")  # fmt: skip
+            "unsqueeze", "expand", "broadcast_to", "repeat_interleave", "cast")  # fmt: skip
 _ATTENTION = ("sdpa", "matmul", "bmm")
 
 

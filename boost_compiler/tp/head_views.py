@@ -1,0 +1,134 @@
+"""A fused projection read back by head ranges, rewritten as a split before the head view.
+
+Falcon's multi-query attention reads its fused ``[q heads; k; v]`` projection as
+``qkv.view(b, s, H + 2, hd)`` and then ``[..., :-2, :]``, ``[..., [-2], :]`` and
+``[..., [-1], :]`` (its newer layout with one key/value group the same, behind a size-1
+group dim). The pieces are not whole heads of a contiguous split over the ranks, so
+the view cannot stay sharded. Invariant: the rewrite changes no value. Row-major, heads
+``[a, b)`` of ``x.view(*lead, n, hd)`` are features ``[a*hd, b*hd)`` of ``x``, viewed, so
+``x.split(sizes, -1)`` and one view per piece compute what the head slices did. The
+sharding rules then see the split they already place block by block
+(``rules/matrix.fused_blocks``): q on its heads, each single key/value head on its
+features. Run by the ``btp`` pass before planning.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..ir.op_table import op_kind
+from ..ir.ops import shape_of, value_of
+
+
+def split_head_views(graph: fx.Graph) -> int:
+    """Rewrite every fused output read back by head ranges; returns how many views."""
+    done = 0
+    for node in list(graph.nodes):
+        ranges = _head_ranges(node)
+        if ranges is not None:
+            _rewrite(graph, node, ranges)
+            done += 1
+    return done
+
+
+def _head_ranges(view: fx.Node) -> dict[fx.Node, tuple[int, int]] | None:
+    """Each reader's ``(start, stop)`` heads when ``view`` splits a last dim into heads
+    and its readers all take contiguous head ranges that tile the heads."""
+    if op_kind(view) not in ("view", "reshape") or not view.args:
+        return None
+    x, src, dst = view.args[0], shape_of(view.args[0]), shape_of(view)
+    if not isinstance(x, fx.Node) or src is None or not dst:
+        return None
+    if not all(isinstance(d, int) for d in (*src, *dst)) or len(dst) < len(src) + 1:
+        return None
+    n, hd, ones = dst[-2], dst[-1], dst[len(src) - 1 : -2]
+    if tuple(dst[: len(src) - 1]) != tuple(src[:-1]) or any(o != 1 for o in ones):
+        return None
+    if n * hd != src[-1] or n < 2:
+        return None
+    ranges = {}
+    for user in view.users:
+        span = _head_span(user, view, len(dst), n) if op_kind(user) == "getitem" else None
+        if span is None:
+            return None
+        ranges[user] = span
+    spans = sorted(set(ranges.values()))
+    tiles = all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    if len(spans) < 2 or spans[0][0] != 0 or spans[-1][1] != n or not tiles:
+        return None
+    return ranges
+
+
+def _head_span(user: fx.Node, view: fx.Node, nd: int, n: int) -> tuple[int, int] | None:
+    """``(start, stop)`` when ``view[idx]`` keeps every dim whole but the heads (dim -2),
+    of which it takes a step-1 slice or a one-element list (Falcon's ``[-2]``)."""
+    src, idx = user.args
+    if src is not view:
+        return None
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    if sum(i is Ellipsis for i in idx) > 1 or any(i is None for i in idx):
+        return None
+    if Ellipsis in idx:
+        at = idx.index(Ellipsis)
+        idx = (*idx[:at], *[slice(None)] * (nd - len(idx) + 1), *idx[at + 1 :])
+    idx = (*idx, *[slice(None)] * (nd - len(idx)))
+    if len(idx) != nd or any(i != slice(None) for j, i in enumerate(idx) if j != nd - 2):
+        return None
+    head = idx[nd - 2]
+    if isinstance(head, list) and len(head) == 1 and isinstance(head[0], int):
+        start = head[0] % n if -n <= head[0] < n else None
+        return None if start is None else (start, start + 1)
+    if not isinstance(head, slice) or head.step not in (None, 1):
+        return None
+    if not all(isinstance(v, int) for v in (head.start or 0, head.stop or 0)):
+        return None
+    start, stop, _ = head.indices(n)
+    return (start, stop) if stop > start else None
+
+
+def _rewrite(graph: fx.Graph, view: fx.Node, ranges: dict[fx.Node, tuple[int, int]]) -> None:
+    x = view.args[0]
+    dst = shape_of(view)
+    hd, lead = dst[-1], dst[:-2]
+    spans = sorted(set(ranges.values()))
+    fake = getattr(value_of(x), "fake_mode", None)
+    with graph.inserting_after(view):
+        split = graph.call_function(torch.split, (x, [(b - a) * hd for a, b in spans]), {"dim": -1})
+    split.meta["example_value"] = _value(fake, lambda: value_of(x).split(
+        [(b - a) * hd for a, b in spans], -1))  # fmt: skip
+    _copy_where(view, split)
+    made: dict[tuple[int, int], fx.Node] = {}
+    last = split
+    for i, (a, b) in enumerate(spans):
+        with graph.inserting_after(last):
+            piece = graph.call_function(operator.getitem, (split, i))
+        piece.meta["example_value"] = split.meta["example_value"][i]
+        with graph.inserting_after(piece):
+            heads = graph.call_method("view", (piece, *lead, b - a, hd))
+        heads.meta["example_value"] = _value(fake, lambda p=piece, a=a, b=b: value_of(p).view(
+            *lead, b - a, hd))  # fmt: skip
+        for n in (piece, heads):
+            _copy_where(view, n)
+        made[(a, b)] = last = heads
+    for user, span in ranges.items():
+        user.replace_all_uses_with(made[span])
+        graph.erase_node(user)
+    graph.erase_node(view)
+
+
+def _value(fake: Any, make: Any) -> Any:
+    if fake is None:
+        return make()
+    with fake:
+        return make()
+
+
+def _copy_where(src: fx.Node, dst: fx.Node) -> None:
+    """The source location and module stack of the view, for messages and drawings."""
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
