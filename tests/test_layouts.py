@@ -187,3 +187,16 @@ def test_what_a_layout_cannot_hold_is_named(folders: dict[str, Path], tmp_path: 
     (pickled / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(LayoutError, match="safetensors"):
         boost_compiler.from_pretrained(pickled, layout="loro")
+
+
+@pytest.mark.parametrize(
+    "config", [{"rope_theta": None}, {"rope_parameters": {"rope_type": "default"}}]
+)
+def test_a_null_rope_base_is_named_not_assumed(config: dict) -> None:
+    """A config that writes no RoPE base (null, or transformers 5's ``rope_parameters``
+    without one) cannot be checked against the layout's fixed base: a LayoutError, not a
+    TypeError and not a guess."""
+    from boost_compiler.layouts.base import Converted, require_rope
+
+    with pytest.raises(LayoutError, match="rope_theta null"):
+        require_rope(Converted(config, {}), "loro", 10000.0)

@@ -298,6 +298,9 @@ def require_rope(conv: Converted, layout: str, theta: float) -> None:
     would describe another model, so it is a :class:`LayoutError` naming both."""
     fields = llama_fields(conv.config)
     got, scaling = fields.get("rope_theta", 10000.0), fields.get("rope_scaling")
+    if got is None:  # written null: transformers' default or another value, unknown here
+        raise LayoutError(f"{layout}: the model's config has rope_theta null; write its RoPE "
+                          f"base into config.json (the layout's Llama computes base {theta})")  # fmt: skip
     if float(got) != theta or scaling:
         raise LayoutError(f"{layout}: the model's RoPE is rope_theta {got}"
                           f"{f', rope_scaling {scaling}' if scaling else ''}; the layout's Llama "

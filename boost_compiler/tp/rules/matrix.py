@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
+from ...errors import ShardingError
 from ...ir.op_table import op_kind
 from ...ir.ops import Contraction, as_contraction, contraction_operands, shape_of
 from ..placement import P, Placement, R, S
@@ -195,7 +196,9 @@ def _bias_free(node: fx.Node) -> Call:
     x, w, _ = contraction_operands(node)
     if op_kind(node) == "addmm":
         return Call(torch.mm, (x, w))
-    assert op_kind(node) == "linear", node.format_node()  # matmul and mm carry no bias
+    if op_kind(node) != "linear":  # matmul and mm carry no bias; an assert vanishes under -O
+        raise ShardingError(f"{node.format_node()}: a bias-free form of {op_kind(node)} "
+                            "was asked for; only linear and addmm carry a bias")  # fmt: skip
     return Call(node.target, (x, w), {}, node.op)
 
 
