@@ -137,3 +137,34 @@ def env_option_differs(*, world: int, mesh: Any) -> dict[str, Any]:
             del os.environ["BOOST_COMPILE_IN_TURNS"]
         else:
             os.environ["BOOST_COMPILE_IN_TURNS"] = before
+
+
+def non_contiguous_differ(*, world: int, mesh: Any) -> dict[str, Any]:
+    """A parameter and a buffer laid out as transposed views, different on each rank:
+    after the broadcast both equal rank 0's, still as laid out (strides kept)."""
+    from boost_compiler.parallel.agreement import broadcast_from_first
+    from boost_compiler.tp.groups import resolve_group
+
+    torch.manual_seed(5 + dist.get_rank())
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.randn(3, 4).t())
+    m.register_buffer("b", torch.randn(5, 2).t())
+    strides = (m.w.stride(), m.b.stride())
+    # gloo copies a strided tensor for itself; NCCL refuses one ("Tensors must be
+    # contiguous"): hold gloo to NCCL's rule, so the CPU run fails where a GPU run would.
+    broadcast = dist.broadcast
+
+    def nccl_like(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not t.is_contiguous():
+            raise ValueError("Tensors must be contiguous (NCCL's precondition)")
+        return broadcast(t, *args, **kwargs)
+
+    dist.broadcast = nccl_like
+    try:
+        sent = broadcast_from_first(m, resolve_group(mesh))
+    finally:
+        dist.broadcast = broadcast
+    torch.manual_seed(5)
+    w0, b0 = torch.randn(3, 4).t(), torch.randn(5, 2).t()
+    return {"sent": sent, "equal": bool(torch.equal(m.w, w0) and torch.equal(m.b, b0)),
+            "strides_kept": (m.w.stride(), m.b.stride()) == strides}  # fmt: skip

@@ -18,7 +18,7 @@ FAST_S = 30.0  # a hang guard: the checks compare in one collective, after plann
 @pytest.fixture(scope="module")
 def world() -> dict:
     names = ["seeds_differ", "plan_files_differ", "batch_shapes_differ", "one_rank_fails",
-             "example_shapes_differ", "env_option_differs"]  # fmt: skip
+             "example_shapes_differ", "env_option_differs", "non_contiguous_differ"]  # fmt: skip
     return run_world(2, [(n, f"tests.agreement_checks:{n}", ()) for n in names])
 
 
@@ -44,6 +44,11 @@ def test_a_difference_is_refused_on_every_rank(world: dict, case: str, words: st
         assert words in r["message"] and "rank 0:" in r["message"] and "rank 1:" in r["message"]
         assert r["seconds"] < FAST_S, r
         assert not r.get("modified"), "a parameter was modified before the error"
+
+
+def test_transposed_parameters_and_buffers_are_broadcast(world: dict) -> None:
+    for r in ranks(result_of(world, "non_contiguous_differ")):
+        assert r["sent"] == 2 and r["equal"] and r["strides_kept"], r
 
 
 def test_one_ranks_error_stops_every_rank(world: dict) -> None:

@@ -141,7 +141,12 @@ def broadcast_from_first(model: nn.Module, group: TPGroup) -> int:
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
     with torch.no_grad():
         for t in tensors.values():
-            dist.broadcast(t.data, group=pg, group_src=0)
+            # Collectives need contiguous memory (NCCL and gloo refuse a transposed view):
+            # send a contiguous copy and write it back into the tensor as laid out.
+            sent = t.data if t.data.is_contiguous() else t.data.contiguous()
+            dist.broadcast(sent, group=pg, group_src=0)
+            if sent is not t.data:
+                t.data.copy_(sent)
     return len(tensors)
 
 
