@@ -60,14 +60,19 @@ def test_classify() -> None:
     assert breakdown.classify("TorchDynamo Cache Lookup") == "overhead"
 
 
+# Rank 1's lateness: long against what a loaded 2-core machine adds to a 4 KB all-reduce
+# (tens of ms: 60 ms of skew failed an "under 30 ms" bound in a loaded CI-tier run).
+SKEW_MS = 300
+
+
 def skewed(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
-    """Spawned: rank 1 reaches the all-reduce 60 ms late; rank 0 waits for it in the step."""
+    """Spawned: rank 1 reaches the all-reduce SKEW_MS late; rank 0 waits for it in the step."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
     def comm() -> None:  # the functional collectives compiled graphs and DTensor issue
         if rank == 1:
-            time.sleep(0.06)
+            time.sleep(SKEW_MS / 1000)
         funcol.all_reduce(torch.ones(1024), "sum", mesh).wait()
 
     steps = breakdown.profile_steps(_step(0.0, comm), 0, 3, before=dist.barrier)
@@ -81,9 +86,9 @@ def test_exposed_comm_is_the_wait_on_every_rank() -> None:
         for s in pr["steps"]:
             assert sum(s[p] for p in breakdown.PARTS) == pytest.approx(s["wall_ms"], rel=1e-9)
             if pr["rank"] == 0:  # waited for rank 1's late arrival, inside the collective
-                assert s["exposed comm"] >= 50, s
+                assert s["exposed comm"] >= 0.9 * SKEW_MS, s
             else:  # slept in Python (overhead), then found rank 0 already waiting
-                assert s["overhead"] >= 55 and s["exposed comm"] < 30, s
+                assert s["overhead"] >= SKEW_MS and s["exposed comm"] < SKEW_MS / 2, s
 
 
 def _table_text(device: str) -> str:
