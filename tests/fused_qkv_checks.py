@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests import tp_harness as H
-from tests.gather_checks import LAYERS, LowRank, TinyLM, fwd_bytes
+from tests.gather_checks import LAYERS, LowRank, train_layers
 from tests.zoo_checks import _train, _wire
 
 D, HEADS, HD, V = 64, 4, 16, 256
@@ -112,24 +111,7 @@ class Attention(nn.Module):
 
 def pattern(name: str, lowering: str | None, *, world: int, mesh: Any) -> dict[str, Any]:
     """3 SGD steps at tp=2 of the layout ``name``; ``lowering``: compiled so, None: eager."""
-    import boost_compiler
-
-    torch.manual_seed(0)
-    model = TinyLM([Attention(name) for _ in range(LAYERS)])
-    ref = copy.deepcopy(model)
-    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))
-    boost_compiler.parallelize(model, mesh, (ids,))
-    plan = model.boost_plan
-    run = model if lowering is None else H._compiled(model, lowering)
-
-    def step(m: torch.nn.Module) -> Any:
-        return (run if m is model else m)(ids)
-
-    res = H._training_result(model, ref, step, world=world, steps=3, lr=0.1, loss_of=H.probe_loss)
-    return {"loss_err": res["loss_err"], "grad_err": res["grad_err"], "param_err": res["param_err"],
-            "out_err": max(res["out_err"]), "fallbacks": list(plan.fallbacks),
-            "bytes_per_layer": fwd_bytes(res["wire_fwd"]) / LAYERS,
-            "wire_fwd": res["wire_fwd"]}  # fmt: skip
+    return train_layers(lambda: Attention(name), lowering, world=world, mesh=mesh)
 
 
 # family -> (config class, model class, config kwargs): hidden 64, 4 heads, 2 layers.

@@ -166,10 +166,16 @@ def fwd_bytes(events: list) -> int:
 
 def zoo(name: str, lowering: str | None, *, world: int, mesh: Any) -> dict[str, Any]:
     """3 SGD steps at tp=2 of the pattern ``name``; ``lowering``: compiled so, None: eager."""
+    return train_layers(lambda: LAYER[name](), lowering, world=world, mesh=mesh)
+
+
+def train_layers(layer: Any, lowering: str | None, *, world: int, mesh: Any) -> dict[str, Any]:
+    """3 SGD steps at tp=2 of a TinyLM of LAYERS ``layer()`` against one device: errors,
+    fallbacks and forward bytes per layer (``lowering``: compiled so, None: eager)."""
     import boost_compiler
 
     torch.manual_seed(0)
-    model = TinyLM([LAYER[name]() for _ in range(LAYERS)])
+    model = TinyLM([layer() for _ in range(LAYERS)])
     ref = copy.deepcopy(model)
     ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))
     boost_compiler.parallelize(model, mesh, (ids,))
