@@ -89,6 +89,7 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "view_as": ("view_as",),
     "reshape": (torch.reshape, "reshape"),
     "flatten": (torch.flatten, "flatten"),
+    "unflatten": (torch.unflatten, "unflatten"),
     "transpose": ("transpose",),
     # The three agree on the 2-D weights (the compiler reads no other ``t``); on more
     # dims ``mT`` swaps the last two and ``T`` reverses them all (``rules/views.py``).

@@ -3,7 +3,7 @@
 Falcon's multi-query attention reads its fused ``[q heads; k; v]`` projection as
 ``qkv.view(b, s, H + 2, hd)`` and then ``[..., :-2, :]``, ``[..., [-2], :]`` and
 ``[..., [-1], :]`` (its newer layout with one key/value group the same, behind a size-1
-group dim). The pieces are not whole heads of a contiguous split over the ranks, so
+group dim; on transformers 5.25, ``split([H, 1, 1], dim=-2)``, read here as those slices). The pieces are not whole heads of a contiguous split over the ranks, so
 the view cannot stay sharded. Invariant: the rewrite changes no value. Row-major, heads
 ``[a, b)`` of ``x.view(*lead, n, hd)`` are features ``[a*hd, b*hd)`` of ``x``, viewed, so
 ``x.split(sizes, -1)`` and one view per piece compute what the head slices did. The
@@ -26,6 +26,8 @@ from ..ir.ops import shape_of, value_of
 
 def split_head_views(graph: fx.Graph) -> int:
     """Rewrite every fused output read back by head ranges; returns how many views."""
+    for node in list(graph.nodes):
+        _split_as_slices(graph, node)
     done = 0
     for node in list(graph.nodes):
         ranges = _head_ranges(node)
@@ -61,6 +63,40 @@ def _head_ranges(view: fx.Node) -> dict[fx.Node, tuple[int, int]] | None:
     if len(spans) < 2 or spans[0][0] != 0 or spans[-1][1] != n or not tiles:
         return None
     return ranges
+
+
+def _split_as_slices(graph: fx.Graph, split: fx.Node) -> None:
+    """``view.split(sizes, dim=-2)[i]`` (Falcon's multi-query heads on transformers 5.25)
+    as the slice ``view[..., a_i:b_i, :]`` it returns, so that one form is read above."""
+    if op_kind(split) != "split" or not split.args or len(split.args) > 3:
+        return
+    view, sizes = split.args[0], split.args[1] if len(split.args) > 1 else None
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    shape = shape_of(view) if isinstance(view, fx.Node) else None
+    if (
+        not shape
+        or not isinstance(sizes, (list, tuple))
+        or not all(isinstance(n, int) for n in sizes)
+    ):
+        return
+    if dim not in (-2, len(shape) - 2) or sum(sizes) != shape[-2]:
+        return
+    if set(split.kwargs) - {"dim"} or not isinstance(view, fx.Node) or op_kind(view) != "view":
+        return  # only a head view's split: other splits keep the rules they have
+    if not all(op_kind(u) == "getitem" and isinstance(u.args[1], int) for u in split.users):
+        return
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    for user in list(split.users):
+        i = user.args[1]
+        with graph.inserting_before(user):
+            piece = graph.call_function(
+                operator.getitem,
+                (view, (Ellipsis, slice(starts[i], starts[i] + sizes[i]), slice(None))),
+            )
+        piece.meta.update(user.meta)
+        user.replace_all_uses_with(piece)
+        graph.erase_node(user)
+    graph.erase_node(split)
 
 
 def _head_span(user: fx.Node, view: fx.Node, nd: int, n: int) -> tuple[int, int] | None:

@@ -25,7 +25,7 @@ from ...errors import ShardingError
 from ...ir.op_table import op_kind
 from ...ir.ops import shape_of, value_of, weight_step
 from .. import plan_cost as cost
-from ..placement import R, S, blocks_through_view, shard_through_view
+from ..placement import Placement, R, S, blocks_through_view, shard_through_view
 from ..strategy import Call, RuleContext, Strategy, fallback
 from .core import describe
 from .registry import rule
@@ -39,7 +39,7 @@ def _sizes(node: fx.Node) -> tuple:
     return tuple(sizes)
 
 
-@rule("view", "reshape", "flatten", reads_blocks=True)
+@rule("view", "reshape", "flatten", "unflatten", reads_blocks=True)
 def view(ctx: RuleContext, node: fx.Node) -> Strategy:
     x = node.args[0]
     pl = ctx.placement(x)
@@ -59,8 +59,9 @@ def view(ctx: RuleContext, node: fx.Node) -> Strategy:
         if moved[1] % ctx.p:
             return fallback()
         return Strategy(out=S(moved[0]))
-    sizes = _sizes(node)
-    if len(sizes) != len(dst):
+    unflatten = op_kind(node) == "unflatten"  # Falcon's heads on transformers 5.25
+    sizes = _unflatten_args(node)[1] if unflatten else _sizes(node)
+    if sizes is None or (not unflatten and len(sizes) != len(dst)):
         return fallback()
     if out is None:
         k, divisor = moved
@@ -72,6 +73,8 @@ def view(ctx: RuleContext, node: fx.Node) -> Strategy:
         if _single_head(src, dst, pl.dim, k):
             return Strategy(out=R, whole=True, label="one key/value head, whole on every rank")
         out = S(k)
+    if unflatten:
+        return _unflatten(ctx, node, out)
     k = out.dim
     new_sizes = list(sizes)
     if isinstance(new_sizes[k], int) and new_sizes[k] != -1:
@@ -79,6 +82,27 @@ def view(ctx: RuleContext, node: fx.Node) -> Strategy:
     elif not (isinstance(new_sizes[k], int) and new_sizes[k] == -1):
         return fallback()
     return Strategy(out=out, call=_with_args(node, (x, *new_sizes)))
+
+
+def _unflatten(ctx: RuleContext, node: fx.Node, out: Placement) -> Strategy:
+    """``x.unflatten(dim, sizes)`` on the shard: the size the shard lands on is divided by
+    p (a ``-1`` infers it); a shard outside the split dim keeps ``sizes`` as they are."""
+    x = node.args[0]
+    dim, sizes = _unflatten_args(node)
+    dim %= len(shape_of(x))
+    sizes, k = list(sizes), out.dim
+    if dim <= k < dim + len(sizes) and sizes[k - dim] != -1:
+        sizes[k - dim] //= ctx.p
+    return Strategy(out=out, call=Call(node.target, (x, dim, tuple(sizes)), {}, node.op))
+
+
+def _unflatten_args(node: fx.Node) -> tuple[int, tuple | None]:
+    """``(dim, sizes)`` of an unflatten, positional or keyword; sizes None if symbolic."""
+    args = (*node.args[1:], *(node.kwargs[k] for k in ("dim", "sizes") if k in node.kwargs))
+    sizes = tuple(args[1]) if len(args) == 2 else None
+    if sizes is None or not all(isinstance(n, int) for n in sizes):
+        return 0, None
+    return int(args[0]), sizes
 
 
 def _single_head(src: tuple, dst: tuple, dim: int, k: int) -> bool:
