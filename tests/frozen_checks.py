@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests import tp_harness as H
+from tests.gather_checks import rotate_halves
 
 D, HEADS, FF, RANK, V, LAYERS = 256, 4, 512, 8, 256, 2
 HD = D // HEADS
@@ -62,14 +63,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _rotate(x: torch.Tensor) -> torch.Tensor:
-    n, s = x.shape[-1], x.shape[-2]
-    inv = 1.0 / (10000 ** (torch.arange(0, n, 2, dtype=torch.float32) / n))
-    ang = torch.outer(torch.arange(s, dtype=torch.float32), inv).repeat(1, 2)
-    x1, x2 = x[..., : n // 2], x[..., n // 2 :]
-    return x * ang.cos() + torch.cat((-x2, x1), dim=-1) * ang.sin()
-
-
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -84,7 +77,7 @@ class Block(nn.Module):
         b, s, _ = x.shape
         h = self.attn_norm(x)
         q, k, v = (p(h).view(b, s, HEADS, HD).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(_rotate(q), _rotate(k), v, is_causal=True)
+        y = F.scaled_dot_product_attention(rotate_halves(q), rotate_halves(k), v, is_causal=True)
         x = x + self.o(y.transpose(1, 2).reshape(b, s, D))
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.gather_checks import LAYERS, LowRank, train_layers
+from tests.gather_checks import LAYERS, LowRank, rotate_halves, train_layers
 from tests.zoo_checks import _train, _wire
 
 D, HEADS, HD, V = 64, 4, 16, 256
@@ -34,15 +34,6 @@ def _alibi(b: int, s: int) -> torch.Tensor:
     """Bloom's ALiBi bias, ``[b * H, 1, s]`` (heads of each sequence contiguous)."""
     slopes = 2.0 ** (-8.0 * torch.arange(1, HEADS + 1, dtype=torch.float32) / HEADS)
     return (slopes[:, None, None] * torch.arange(s, dtype=torch.float32)).repeat(b, 1, 1)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Rotary with HF's ``rotate_half`` (Falcon, Llama): the halves of each head."""
-    n, s = x.shape[-1], x.shape[-2]
-    inv = 1.0 / (10000 ** (torch.arange(0, n, 2, dtype=torch.float32) / n))
-    ang = torch.outer(torch.arange(s, dtype=torch.float32), inv).repeat(1, 2)
-    x1, x2 = x[..., : n // 2], x[..., n // 2 :]
-    return x * ang.cos() + torch.cat((-x2, x1), dim=-1) * ang.sin()
 
 
 class Attention(nn.Module):
@@ -103,7 +94,7 @@ class Attention(nn.Module):
     @staticmethod
     def _mqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, s: int, rope: bool):
         if rope:
-            q, k = _rotate_half(q), _rotate_half(k)
+            q, k = rotate_halves(q), rotate_halves(k)
         k, v = (t.expand(b, HEADS, s, HD) for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return y.transpose(1, 2).reshape(b, s, D)

@@ -52,7 +52,7 @@ class SquaredReLU(nn.Module):
         return x + self.proj(h)
 
 
-def _rotate(x: torch.Tensor) -> torch.Tensor:
+def rotate_halves(x: torch.Tensor) -> torch.Tensor:
     """Rotary embedding on the last dim (fixed angles: enough to be a real computation)."""
     n, s = x.shape[-1], x.shape[-2]
     inv = 1.0 / (10000 ** (torch.arange(0, n, 2, dtype=torch.float32) / n))
@@ -98,7 +98,7 @@ class Attention(nn.Module):
         elif how == "rope_whole":
             q, k = _rotate_pairs(q), _rotate_pairs(k)
         else:  # a single kv head may be split on its head dim: pairs stay local there
-            rotate = _rotate if n_kv == HEADS else _rotate_pairs
+            rotate = rotate_halves if n_kv == HEADS else _rotate_pairs
             q, k = rotate(q), rotate(k)
         rep = HEADS // n_kv
         gqa = {}

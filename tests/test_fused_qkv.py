@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.fused_qkv_checks import FAMILIES, FUSED
-from tests.tp_harness import RTOL, run_world
+from tests.tp_harness import RTOL, result_of, run_world
 
 LOWERINGS = {"eager": None, "compiled": "eager", "inductor": "inductor"}
 NAMES = sorted({*FUSED, *FUSED.values()})
@@ -37,19 +37,12 @@ def two() -> dict:
     return run_world(2, checks, slow=slow)
 
 
-def _ok(res: dict) -> dict:
-    if "skipped" in res:
-        pytest.skip(res["skipped"])
-    assert "error" not in res, res["error"]
-    return res
-
-
 @pytest.mark.parametrize("how", list(LOWERINGS))
 @pytest.mark.parametrize("name", list(FUSED))
 def test_fused_qkv_is_exact_with_no_fallback_and_no_more_bytes(
     two: dict, name: str, how: str
 ) -> None:
-    res, free = _ok(two[f"{name}/{how}"]), _ok(two[f"{FUSED[name]}/{how}"])
+    res, free = result_of(two, f"{name}/{how}"), result_of(two, f"{FUSED[name]}/{how}")
     assert res["fallbacks"] == [] and free["fallbacks"] == [], (res["fallbacks"], free["fallbacks"])
     for what in ("loss_err", "grad_err", "param_err", "out_err"):
         assert res[what] <= RTOL, (what, res[what])
@@ -64,7 +57,7 @@ def test_fused_qkv_is_exact_with_no_fallback_and_no_more_bytes(
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_hf_family_exact_without_fallback(two: dict, family: str, compiled: bool) -> None:
-    res = _ok(two[f"hf/{family}" + ("/compiled" if compiled else "")])
+    res = result_of(two, f"hf/{family}" + ("/compiled" if compiled else ""))
     assert res["fallbacks"] == [], res["fallbacks"]
     for what in ("logits", "loss", "grad"):
         assert max(res[what]) <= RTOL, (what, res[what])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tp_harness import RTOL, run_world
+from tests.tp_harness import RTOL, result_of, run_world
 
 # pattern -> the same model written the gather-free way.
 PAIRS = {
@@ -41,19 +41,12 @@ def two() -> dict:
     return run_world(2, checks, slow=slow)
 
 
-def _ok(res: dict) -> dict:
-    if "skipped" in res:
-        pytest.skip(res["skipped"])
-    assert "error" not in res, res["error"]
-    return res
-
-
 @pytest.mark.parametrize("how", list(LOWERINGS))
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_pattern_is_exact_with_no_fallback_and_no_more_bytes(
     two: dict, name: str, how: str
 ) -> None:
-    res, free = _ok(two[f"{name}/{how}"]), _ok(two[f"{PAIRS[name]}/{how}"])
+    res, free = result_of(two, f"{name}/{how}"), result_of(two, f"{PAIRS[name]}/{how}")
     assert res["fallbacks"] == [], res["fallbacks"]
     for what in ("loss_err", "grad_err", "param_err", "out_err"):
         assert res[what] <= RTOL, (what, res[what])
