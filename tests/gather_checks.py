@@ -2,8 +2,9 @@
 
 Each pattern is written twice in a small 2-layer LM: as its authors write it (``x.square()``,
 ``y.view_as(x)``, ``q @ k.mT``, a rotary slice that is the whole head, one key/value head
-expanded to every query head) and the gather-free way (``x**2``, ``.view``, ``.transpose``,
-no slice, the unexpanded head). At tp=2 each runs 3 SGD steps against one device, eager or
+expanded to every query head, a MoE's tokens copied per expert by ``repeat``, a LoRA update
+merged into a weight computed in the forward) and the gather-free way (``x**2``, ``.view``,
+``.transpose``, no slice, the unexpanded head, ``expand``, the update as its own GEMMs). At tp=2 each runs 3 SGD steps against one device, eager or
 compiled, and reports its fallbacks, errors and the forward bytes on the wire per layer
 (gloo's events on this rank, the second step, past any compile).
 """
@@ -22,6 +23,7 @@ from torch import nn
 from tests import tp_harness as H
 
 D, HEADS, HD, R, V, LAYERS = 64, 4, 16, 16, 256, 2
+EXPERTS = 4
 ROPE = HD  # litgpt's rope_n_elem at rotary_percentage=1.0
 _BYTES = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8, "int": 4}
 
@@ -124,6 +126,53 @@ class Attention(nn.Module):
         return x + self.o(y)
 
 
+class DenseMoE(nn.Module):
+    """Every token through every expert (3-D weights, ``bmm``), weighted by the router; the
+    tokens copied per expert by ``repeat`` or (gather-free) broadcast by ``expand``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.router = nn.Linear(D, EXPERTS, bias=False)
+        self.w_in = nn.Parameter(torch.randn(EXPERTS, D, 2 * D) / D**0.5)
+        self.w_out = nn.Parameter(torch.randn(EXPERTS, 2 * D, D) / (2 * D) ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, D)
+        n = h.shape[0]
+        gates = self.router(h).softmax(dim=-1)
+        if self.how == "repeat":
+            xs = h.repeat(EXPERTS, 1).view(EXPERTS, n, D)
+        else:
+            xs = h.unsqueeze(0).expand(EXPERTS, n, D)
+        y = torch.bmm(F.silu(torch.bmm(xs, self.w_in)), self.w_out)
+        return x + (y * gates.t().unsqueeze(-1)).sum(0).view_as(x)
+
+
+class MergedLoRA(nn.Module):
+    """A dense MLP with a LoRA update on each weight: merged into a weight computed in the
+    forward (``x @ (W + B @ A).T``), or (gather-free) applied as its own two GEMMs."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+        def lora(d_out: int, d_in: int) -> nn.ParameterList:
+            return nn.ParameterList([torch.randn(d_out, d_in) / d_in**0.5,
+                                     torch.randn(d_out, 4) * 0.1, torch.randn(4, d_in) / d_in**0.5])  # fmt: skip
+
+        self.fc, self.proj = lora(4 * D, D), lora(D, 4 * D)
+
+    def _apply(self, x: torch.Tensor, w: nn.ParameterList) -> torch.Tensor:
+        base, b, a = w
+        if self.how == "merged":
+            return x @ (base + b @ a).t()
+        return F.linear(x, base) + F.linear(F.linear(x, a), b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self._apply(F.relu(self._apply(x, self.fc)), self.proj)
+
+
 class TinyLM(nn.Module):
     def __init__(self, blocks: list[nn.Module]) -> None:
         super().__init__()
@@ -156,6 +205,10 @@ LAYER: dict[str, Callable[[], nn.Module]] = {
     "gqa2_repeat_kv": lambda: Attention("repeat_kv", n_kv=2),
     "gqa2_repeat_interleave": lambda: Attention("repeat_interleave", n_kv=2),
     "gqa2": lambda: Attention("gqa", n_kv=2),
+    "moe_repeat": lambda: DenseMoE("repeat"),
+    "moe_expand": lambda: DenseMoE("expand"),
+    "lora_merged": lambda: MergedLoRA("merged"),
+    "lora_apart": lambda: MergedLoRA("apart"),
 }
 
 

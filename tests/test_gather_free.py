@@ -25,6 +25,8 @@ PAIRS = {
     "mqa_repeat_interleave": "mqa_gqa",
     "mqa_repeat_kv": "mqa_gqa",
     "gqa2_repeat_kv": "gqa2",
+    "moe_repeat": "moe_expand",
+    "lora_merged": "lora_apart",
 }
 NAMES = sorted({*PAIRS, *PAIRS.values()})
 LOWERINGS = {"eager": None, "compiled": "eager", "inductor": "inductor"}

@@ -184,7 +184,7 @@ def hf_padded(family: str, lowering: str | None = None, *, world: int, mesh: Any
     if lowering is not None:
         run = torch.compile(model, backend="boost", options={"lowering": lowering})
     errs = _compare(model, ref, ids, world, steps=3, labels_of=labels_of, lr=0.02, run=run)
-    step = run or model
+    step = model if run is None else run  # a compiled module has no truth value
     return {**errs, "head": _head(model), "decisions": model.boost_plan.decisions,
             "fallbacks": model.boost_plan.fallbacks,
             "wire": _wire(lambda: step(ids, labels=labels_of(0), use_cache=False).loss),

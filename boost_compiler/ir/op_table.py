@@ -100,6 +100,7 @@ SPELLINGS: dict[str, tuple[Any, ...]] = {
     "expand": ("expand",),
     "broadcast_to": (torch.broadcast_to, "broadcast_to"),
     "repeat_interleave": ("repeat_interleave",),
+    "repeat": ("repeat", "tile", torch.tile),
     # slicing and joining
     "getitem": (operator.getitem,),
     "split": (torch.split, "split"),

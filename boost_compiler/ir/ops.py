@@ -90,6 +90,13 @@ def _weight_placeholder(node: Any, params: set[str]) -> tuple[fx.Node, bool] | N
     return None
 
 
+def weight_parameter(node: Any, params: set[str]) -> fx.Node | None:
+    """The parameter placeholder ``node`` reads through casts, transposes and masks; None
+    for a value computed otherwise (an activation, a weight computed from parameters)."""
+    found = _weight_placeholder(node, params)
+    return None if found is None else found[0]
+
+
 def _masked_weight(node: fx.Node, params: set[str]) -> fx.Node | None:
     """The weight operand of ``weight * mask``, a mask being a buffer (a placeholder that is
     no parameter) of the weight's own shape; else None.

@@ -8,7 +8,9 @@ last dim, per block when every consumer splits a fused output into pieces).
 A head whose logits reach a loss may go vocabulary-parallel (``vocab``).
 A frozen weight with no role (a LoRA base) is split column- or row-parallel
 as the factors are, or kept whole, as the planner weighs them (its memory
-counted); any other contraction with a weight runs dense on full values. Contractions
+counted); any other contraction with a weight runs dense on full values. A weight
+computed from parameters is whole on every rank: read as its slice against an input
+split on the contracted dim (row-parallel), or the input gathered. Contractions
 of two activations (attention's ``q @ k^T``) are batched over the sharded
 head dim and stay local when neither contracted dim is the shard.
 """
@@ -22,7 +24,13 @@ import torch.fx as fx
 
 from ...errors import ShardingError
 from ...ir.op_table import op_kind
-from ...ir.ops import Contraction, as_contraction, contraction_operands, shape_of
+from ...ir.ops import (
+    Contraction,
+    as_contraction,
+    contraction_operands,
+    shape_of,
+    weight_parameter,
+)
 from ..placement import P, Placement, R, S
 from ..strategy import Call, RuleContext, Strategy, Then, fallback
 from .core import aligned, requires_grad, tensor_inputs
@@ -240,7 +248,7 @@ def _last_dim_readers(node: fx.Node) -> list[fx.Node]:
 
 @rule("matmul", "sdpa")
 @rule("bmm", "baddbmm", reads_blocks=True)
-def same_shard(ctx: RuleContext, node: fx.Node) -> Strategy:
+def same_shard(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     """Ops that act independently along a batch-like sharded dim (attention heads).
 
     The batched matrix products also take that dim as equal blocks, every input alike
@@ -271,6 +279,8 @@ def same_shard(ctx: RuleContext, node: fx.Node) -> Strategy:
         pls.update({a: R for a in regathered})
         dims = {k}
     blocks = {pl.blocks for pl in pls.values() if pl.is_shard}
+    if (computed := _computed_weight(ctx, node, pls)) is not None:
+        return computed
     if len(dims) != 1 or None in dims or P in pls.values() or len(blocks) != 1:
         return fallback()
     [k], [blk] = dims, blocks
@@ -287,6 +297,45 @@ def same_shard(ctx: RuleContext, node: fx.Node) -> Strategy:
             elif a in regathered:
                 s.read(a, R, why)
     return s
+
+
+# Not a parameter's contraction (those take ``contraction`` by its guard): a weight
+# computed from parameters (``x @ (W + B @ A).T``, a merged LoRA update).
+@rule("linear", "mm")
+def computed_weight(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
+    pls = {a: ctx.placement(a) for a in tensor_inputs(node)}
+    return _computed_weight(ctx, node, pls) or fallback()
+
+
+def _computed_weight(
+    ctx: RuleContext, node: fx.Node, pls: dict[fx.Node, Placement]
+) -> list[Strategy] | None:
+    """``x @ W`` / ``F.linear(x, W)`` with ``x`` split on the contracted dim and ``W`` a
+    replicated matrix that is no parameter (computed from parameters, whole on every rank).
+
+    Row-parallel on ``W``'s slice (each rank contracts its features, the partial sum
+    converted at once, the bias added after it), or ``x`` gathered and the product run
+    whole; exact both, the planner weighs their bytes (the sum is the cheaper where the
+    product is narrower than ``x``). ``W``'s gradient, read as a slice, is gathered back.
+    """
+    kind = op_kind(node)
+    if kind not in ("linear", "mm", "matmul"):
+        return None
+    x, w, bias = contraction_operands(node)
+    if not isinstance(x, fx.Node) or not isinstance(w, fx.Node) or "out" in node.kwargs:
+        return None
+    if weight_parameter(w, ctx.param_names()) is not None:  # a parameter's: its own rule
+        return None
+    x_nd, w_shape = len(shape_of(x) or ()), shape_of(w)
+    if (
+        w_shape is None or len(w_shape) != 2 or pls.get(w) != R
+        or pls.get(x) != S(x_nd - 1) or (bias is not None and pls.get(bias) != R)
+    ):  # fmt: skip
+        return None
+    s = Strategy(out=P, label="weight computed whole: its slice, row-parallel")
+    s.read(w, S(1 if kind == "linear" else 0), "the split input's features")
+    gathered = Strategy(out=R, whole=True, label="input gathered, the product whole")
+    return [*_row_parallel(ctx, s, node, bias), gathered]
 
 
 def _first_batch_dim(ctx: RuleContext, tensors: list[fx.Node], out: tuple) -> int | None:

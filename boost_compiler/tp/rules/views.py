@@ -1,4 +1,5 @@
-"""Sharding rules of views and layout ops: view/reshape/flatten/view_as, transpose/permute, expand.
+"""Sharding rules of views and layout ops: view/reshape/flatten/view_as, transpose/permute, expand,
+repeat.
 
 Invariant: a view moves no values between ranks, so a shard stays a shard,
 on the dim the view maps it to (:func:`~boost_compiler.tp.placement.shard_through_view`),
@@ -127,15 +128,18 @@ def view_as(ctx: RuleContext, node: fx.Node) -> Strategy:
     ``other`` sharded the same way already has the local shape (the call stays); a
     replicated ``other`` (``y.view_as(x)`` merging heads back into the hidden of the
     residual stream) gives the local shape with the shard dim kept (:func:`view_as_shard`).
+    A replicated ``x`` viewed as a shard's shape stays whole: the shard's global shape
+    (:func:`view_as_whole`, a MoE's combined experts back to the residual's shape).
     """
     x, other = node.args[0], node.args[1]
-    pl = ctx.placement(x)
+    pl, held = ctx.placement(x), ctx.placement(other)
+    if pl == R and held.is_shard and not held.blocks:
+        return Strategy(out=R, call=Call(view_as_whole, (x, other, held.dim, ctx.p)))
     src, dst = shape_of(x), shape_of(node)
     moved = shard_through_view(src, dst, pl.dim, ctx.p) if not pl.blocks else None
     if moved is None or moved[1] % ctx.p:
         return fallback()
     k = moved[0]
-    held = ctx.placement(other)
     if held == S(k):
         return Strategy(out=S(k))
     if held != R:
@@ -148,6 +152,13 @@ def view_as_shard(x: torch.Tensor, like: torch.Tensor, dim: int) -> torch.Tensor
     """``x`` (a shard) viewed as ``like``'s shape with dim ``dim`` left to ``x``'s size."""
     sizes = list(like.shape)
     sizes[dim] = -1
+    return x.view(sizes)
+
+
+def view_as_whole(x: torch.Tensor, like: torch.Tensor, dim: int, p: int) -> torch.Tensor:
+    """``x`` (whole) viewed as the global shape of ``like``, a shard of ``p`` on ``dim``."""
+    sizes = list(like.shape)
+    sizes[dim] *= p
     return x.view(sizes)
 
 
@@ -278,6 +289,26 @@ def expand(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     return _or_gathered_first(ctx, node, kept)
 
 
+@rule("repeat")
+def repeat(ctx: RuleContext, node: fx.Node) -> Strategy:
+    """``x.repeat(*sizes)`` / ``x.tile(dims)``: tiles of ``x`` side by side, leading dims added.
+
+    A shard stays a shard, on the dim it moves to, where that dim is tiled once: each
+    rank's copy of its block is the block of the whole copy (a MoE's
+    ``hidden.repeat(E, 1)`` of a hidden split on its features; like an expansion, it may
+    be gathered before it instead: :func:`_or_gathered_first`). A dim tiled more than
+    once would interleave the ranks' blocks: not local, it falls back.
+    """
+    x = node.args[0]
+    pl, nd = ctx.placement(x), len(shape_of(x))
+    sizes = _sizes(node)
+    if pl.blocks or node.kwargs or not all(isinstance(n, int) for n in sizes):
+        return fallback()
+    sizes = (1,) * (nd - len(sizes)) + sizes  # tile's fewer dims are leading ones
+    k = pl.dim + len(sizes) - nd
+    return _or_gathered_first(ctx, node, Strategy(out=S(k))) if sizes[k] == 1 else fallback()
+
+
 @rule("repeat_interleave")
 def repeat_interleave(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     """Along any dim of a plain shard: along the head dim, local kv head ``j`` serves
@@ -291,7 +322,7 @@ def repeat_interleave(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strate
 
 # Ops between a key/value expansion and the attention that reads it (they move no values).
 _KV_PATH = ("view", "reshape", "flatten", "transpose", "permute", "t", "contiguous",
-            "unsqueeze", "expand", "broadcast_to", "repeat_interleave", "cast")  # fmt: skip
+            "unsqueeze", "expand", "broadcast_to", "repeat_interleave", "repeat", "cast")  # fmt: skip
 _ATTENTION = ("sdpa", "matmul", "bmm")
 
 
