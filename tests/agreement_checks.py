@@ -65,6 +65,50 @@ def seeds_differ(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
     return {**losses, "param_err": drift}
 
 
+class _Scaled(torch.nn.Module):
+    """A low-rank LM that also reads tensors held as plain attributes (a fixed random scale
+    of the hidden, one of the bottleneck in a list), drawn from the builder's seed."""
+
+    def __init__(self, seed: int, d: int = 32, r: int = 8, vocab: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb, self.head = torch.nn.Embedding(vocab, d), torch.nn.Linear(d, vocab)
+        self.down, self.up = torch.nn.Linear(d, r), torch.nn.Linear(r, d)
+        self.scale = torch.rand(d) + 0.5
+        self.mid = [torch.rand(r) + 0.5]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) * self.scale
+        h = h + self.up(torch.nn.functional.silu(self.down(h)) * self.mid[0])
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def plain_attributes_differ(*, world: int, mesh: Any, steps: int = 3) -> dict[str, Any]:
+    """Each rank builds a model whose plain tensor attributes come from its own seed: the
+    parallelized model, eager and compiled, trains rank 0's, as one device does."""
+    import boost_compiler
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    losses: dict[str, list[float]] = {}
+    for how in ("eager", "compiled", "rank0"):
+        model = _Scaled(seed=11 + (0 if how == "rank0" else dist.get_rank()))
+        run = model
+        if how != "rank0":
+            boost_compiler.parallelize(model, mesh, (ids,))
+            if how == "compiled":
+                run = torch.compile(model, backend="boost", options={"lowering": "eager"})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses[how] = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = run(ids)
+            loss.backward()
+            opt.step()
+            losses[how].append(loss.item())
+    return losses
+
+
 def plan_files_differ(*, world: int, mesh: Any) -> dict[str, Any]:
     """Rank 0 forces the model's own plan, rank 1 that plan with one parameter replicated."""
     import boost_compiler

@@ -18,7 +18,8 @@ FAST_S = 30.0  # a hang guard: the checks compare in one collective, after plann
 @pytest.fixture(scope="module")
 def world() -> dict:
     names = ["seeds_differ", "plan_files_differ", "batch_shapes_differ", "one_rank_fails",
-             "example_shapes_differ", "env_option_differs", "non_contiguous_differ"]  # fmt: skip
+             "example_shapes_differ", "env_option_differs", "non_contiguous_differ",
+             "plain_attributes_differ"]  # fmt: skip
     return run_world(2, [(n, f"tests.agreement_checks:{n}", ()) for n in names])
 
 
@@ -27,6 +28,15 @@ def test_ranks_built_from_other_seeds_train_rank_0s_model(world: dict) -> None:
         for tp, one in zip(r["tp"], r["rank0"], strict=True):
             assert abs(tp - one) <= RTOL * abs(one), (r["rank"], r["tp"], r["rank0"])
         assert r["param_err"] <= RTOL, (r["rank"], r["param_err"])
+
+
+def test_plain_tensor_attributes_are_rank_0s(world: dict) -> None:
+    """Tensors a module holds outside its parameters and buffers are broadcast too: unseeded
+    ranks would otherwise each scale by their own, a model that is no one's."""
+    for r in ranks(result_of(world, "plain_attributes_differ")):
+        for how in ("eager", "compiled"):
+            for tp, one in zip(r[how], r["rank0"], strict=True):
+                assert abs(tp - one) <= RTOL * abs(one), (r["rank"], how, r[how], r["rank0"])
 
 
 @pytest.mark.parametrize(
@@ -94,9 +104,21 @@ def test_a_rank_on_meta_differs_from_a_rank_with_values() -> None:
     real = torch.nn.Linear(4, 4)
     with torch.device("meta"):
         meta = torch.nn.Linear(4, 4)
-    key = next(k for k in _sent(real) if "parameters and buffers" in k)
+    key = next(k for k in _sent(real) if "tensors" in k)
     assert _sent(real)[key] != _sent(meta)[key]
     assert _sent(real)[key] == _sent(torch.nn.Linear(4, 4))[key]
+
+
+def test_plain_tensor_attributes_are_compared_before_their_broadcast() -> None:
+    """A plain tensor attribute of another shape on one rank would pair rank 0's broadcast
+    with a collective of another size: the ranks compare its name and shape first."""
+    import torch
+
+    one, two = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    one.table, two.table = torch.zeros(3), torch.zeros(5)
+    key = next(k for k in _sent(one) if "tensors" in k)
+    assert "table: [3] float32 cpu" in _sent(one)[key]
+    assert _sent(one)[key] != _sent(two)[key]
 
 
 def test_plans_with_other_collectives_differ() -> None:

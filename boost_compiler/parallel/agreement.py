@@ -129,25 +129,59 @@ def _shown(values: list[Any]) -> str:
 
 
 def broadcast_from_first(model: nn.Module, group: TPGroup) -> int:
-    """Rank 0's values of every parameter and buffer of ``model`` on every rank of ``group``.
+    """Rank 0's values of every tensor ``model`` holds on every rank of ``group``.
 
     What DDP and FSDP do when they wrap a model: ranks that built it from different
-    seeds (a script without ``torch.manual_seed``) then hold one model, rank 0's.
-    Meta tensors have no values to send. Returns how many tensors were broadcast.
+    seeds (a script without ``torch.manual_seed``) then hold one model, rank 0's. Beyond
+    their parameters and buffers, this covers the tensors a module keeps as plain
+    attributes (``self.proj = torch.randn(d, r)``): the forward reads them as it reads a
+    buffer, and traced graphs hold them as constants. Meta tensors have no values to
+    send. Returns how many tensors were broadcast.
     """
     pg = _process_group(group)
     if not _communicates(pg):
         return 0
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.is_meta}
+    tensors = {id(t): t for _, t in held_tensors(model) if not t.is_meta}
     with torch.no_grad():
         for t in tensors.values():
             # Collectives need contiguous memory (NCCL and gloo refuse a transposed view):
             # send a contiguous copy and write it back into the tensor as laid out.
             sent = t.data if t.data.is_contiguous() else t.data.contiguous()
-            dist.broadcast(sent, group=pg, group_src=0)
+            # gloo has no bool all-reduce/broadcast kernel on every build: send the bytes
+            wire = sent.view(torch.uint8) if sent.dtype == torch.bool else sent
+            dist.broadcast(wire, group=pg, group_src=0)
             if sent is not t.data:
                 t.data.copy_(sent)
     return len(tensors)
 
 
-__all__ = ["agree", "broadcast_from_first", "canonical", "digest", "input_signature"]
+def held_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every parameter, buffer and plain tensor attribute of ``model``
+    (directly, or in a list, tuple or dict: ``blocks.0.proj``, ``cache[1]``), in a fixed
+    order; a tensor reachable twice is listed under each name."""
+    found = [*model.named_parameters(), *model.named_buffers()]
+    registered = {id(t) for _, t in found}
+    for path, module in model.named_modules():
+        prefix = f"{path}." if path else ""
+        for attr, value in vars(module).items():
+            if attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, dict):
+                items = [(f"[{k!r}]", v) for k, v in value.items()]
+            elif isinstance(value, (list, tuple)):
+                items = [(f"[{i}]", v) for i, v in enumerate(value)]
+            else:
+                items = [("", value)]
+            found += [(f"{prefix}{attr}{key}", v) for key, v in items
+                      if isinstance(v, torch.Tensor) and id(v) not in registered]  # fmt: skip
+    return found
+
+
+__all__ = [
+    "agree",
+    "broadcast_from_first",
+    "canonical",
+    "digest",
+    "held_tensors",
+    "input_signature",
+]

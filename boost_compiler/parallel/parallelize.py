@@ -39,7 +39,14 @@ from ..tp.collectives import graph_collectives
 from ..tp.groups import TPGroup, resolve_group
 from ..tp.placement import Placement, R
 from ..tp.plan import TPPlan, input_shapes
-from .agreement import agree, broadcast_from_first, canonical, digest, input_signature
+from .agreement import (
+    agree,
+    broadcast_from_first,
+    canonical,
+    digest,
+    held_tensors,
+    input_signature,
+)
 from .blocks import mark, marked, repeated_blocks
 from .closures import Rebinding, plan_rebinding, rebind
 from .plan_fit import check_blocks_fit, check_fits
@@ -221,14 +228,14 @@ def _shared(
     route, not only its placements: what each rank will issue.
     """
     tensors = [f"{n}: {list(t.shape)} {str(t.dtype).removeprefix('torch.')} {t.device.type}"
-               for n, t in (*model.named_parameters(), *model.named_buffers())]  # fmt: skip
+               for n, t in held_tensors(model)]  # fmt: skip
     opts = BoostOptions.parse(options)  # parsed once already: cannot raise here
     placements = {n: str(pl) for n, pl in sorted(decided.params.items())}
     issued = [(c.kind, [str(s) for s in c.global_shape], str(c.dtype), c.forward, c.backward)
               for c in decided.collectives]  # fmt: skip
     route = decided.route.split(":")[0]  # "per-block (N blocks)" or "whole model", no why
     return {
-        "the model's parameters and buffers (names, shapes, dtypes, devices)": tensors,
+        "the model's tensors (names, shapes, dtypes, devices)": tensors,
         "options": canonical({**opts.passes, **opts.settings}),
         "example inputs": input_signature(example_inputs, example_kwargs),
         # The content, not the file's path: ranks may each read their own copy of a plan.
