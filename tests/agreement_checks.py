@@ -109,6 +109,20 @@ def plain_attributes_differ(*, world: int, mesh: Any, steps: int = 3) -> dict[st
     return losses
 
 
+def data_missing_on_one_rank(*, world: int, mesh: Any) -> dict[str, Any]:
+    """``boost train``'s flag checks with ``--data`` present on rank 0's disk, missing on
+    rank 1's (another node): each rank raises, none waits for the other."""
+    from boost_compiler.train.config import TrainConfig
+    from boost_compiler.train.loop import _check_flags
+
+    folder = tempfile.mkdtemp(prefix="boost-data-")
+    path = os.path.join(folder, "train.jsonl")
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            f.write('{"text": "one document"}\n')
+    return _raised(lambda: _check_flags(TrainConfig(tp=2, data=[path], compile=False)))
+
+
 def plan_files_differ(*, world: int, mesh: Any) -> dict[str, Any]:
     """Rank 0 forces the model's own plan, rank 1 that plan with one parameter replicated."""
     import boost_compiler

@@ -19,7 +19,7 @@ FAST_S = 30.0  # a hang guard: the checks compare in one collective, after plann
 def world() -> dict:
     names = ["seeds_differ", "plan_files_differ", "batch_shapes_differ", "one_rank_fails",
              "example_shapes_differ", "env_option_differs", "non_contiguous_differ",
-             "plain_attributes_differ"]  # fmt: skip
+             "plain_attributes_differ", "data_missing_on_one_rank"]  # fmt: skip
     return run_world(2, [(n, f"tests.agreement_checks:{n}", ()) for n in names])
 
 
@@ -54,6 +54,16 @@ def test_a_difference_is_refused_on_every_rank(world: dict, case: str, words: st
         assert words in r["message"] and "rank 0:" in r["message"] and "rank 1:" in r["message"]
         assert r["seconds"] < FAST_S, r
         assert not r.get("modified"), "a parameter was modified before the error"
+
+
+def test_data_missing_on_one_rank_stops_every_rank(world: dict) -> None:
+    """``boost train`` checks its flags on every rank and agrees: the rank without the data
+    names the file, its peer names that rank, both within seconds."""
+    r0, r1 = ranks(result_of(world, "data_missing_on_one_rank"))
+    assert r1["raised"] == "DataError" and "train.jsonl" in r1["message"], r1
+    assert r0["raised"] == "PeerRankError" and "rank 1 of 2 failed" in r0["message"], r0
+    assert "train.jsonl" in r0["message"]
+    assert max(r0["seconds"], r1["seconds"]) < FAST_S
 
 
 def test_transposed_parameters_and_buffers_are_broadcast(world: dict) -> None:

@@ -32,7 +32,9 @@ from ..tp.groups import TPGroup
 _FAILED = "__boost_failed__"
 
 
-def _process_group(group: TPGroup) -> dist.ProcessGroup:
+def _process_group(group: TPGroup | dist.ProcessGroup) -> dist.ProcessGroup:
+    if isinstance(group, dist.ProcessGroup):
+        return group
     return dist.distributed_c10d._resolve_process_group(group.name)
 
 
@@ -76,7 +78,9 @@ def digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def agree(group: TPGroup, what: str, mine: Mapping[str, Any] | BaseException) -> None:
+def agree(
+    group: TPGroup | dist.ProcessGroup, what: str, mine: Mapping[str, Any] | BaseException
+) -> None:
     """Every rank of ``group`` calls this once at the same point; all return or all raise.
 
     ``mine``: this rank's values (compared key by key) or the exception its own
@@ -97,15 +101,15 @@ def agree(group: TPGroup, what: str, mine: Mapping[str, Any] | BaseException) ->
         if _FAILED in theirs:
             first = str(theirs[_FAILED]).splitlines()[0][:500]
             raise PeerRankError(
-                f"{what}: tensor-parallel rank {rank} of {pg.size()} failed ({first}); this "
-                f"rank (rank {group.rank}) stops with it, nothing was modified here"
+                f"{what}: rank {rank} of {pg.size()} failed ({first}); this rank (rank "
+                f"{pg.rank()}) stops with it, nothing was modified here"
             )
     for key in table[0]:
         values = [theirs.get(key) for theirs in table]
         if any(v != values[0] for v in values[1:]):
             shown = _shown(values)
             raise RankMismatchError(
-                f"{what}: the tensor-parallel ranks differ in {key} ({shown}). Every rank "
+                f"{what}: the ranks differ in {key} ({shown}). Every rank "
                 "must run the same program on the same shapes: give each rank the same "
                 f"{key}"
             )

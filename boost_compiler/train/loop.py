@@ -34,6 +34,7 @@ from torch import nn
 
 from .._logging import get_logger
 from ..device import process_group_backend
+from ..parallel.agreement import agree
 from . import checkpoint as ckpt
 from . import comm, divergence, mfu, report, run_folder
 from .clip import clip_grad_norm_
@@ -202,10 +203,20 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 def _check_flags(cfg: TrainConfig) -> report.TensorBoard | None:
     """What the flags alone decide, before any file is made (setup validates again):
-    a bad value or a missing package stops every rank with nothing written."""
-    cfg.validate(dist.get_world_size())
-    spec_for(cfg).check(cfg)
-    check_data_paths(cfg)
+    a bad value, a missing package or data file stops every rank with nothing written.
+
+    Checked on every rank and agreed in one collective: a rank whose host lacks the data
+    (another node's disk) raises its error, every other rank a ``PeerRankError`` naming
+    it, instead of waiting for it in the run folder's broadcast until the timeout.
+    """
+    try:
+        cfg.validate(dist.get_world_size())
+        spec_for(cfg).check(cfg)
+        check_data_paths(cfg)
+        mine: dict[str, Any] | BaseException = {}
+    except Exception as exc:
+        mine = exc
+    agree(dist.group.WORLD, "boost train", mine)
     return report.open_tensorboard(cfg, enabled=dist.get_rank() == 0)
 
 
