@@ -391,6 +391,21 @@ def test_folder_of_txt_jsonl_parquet_and_bytes(corpus: dict[str, Any], tmp_path:
     assert raw.rows(0).flatten().tolist() == [104, 105, 0, 104, 105, 0, 104]
 
 
+def test_empty_files_in_a_folder_are_skipped_or_refused(tmp_path: Path, caplog: Any) -> None:
+    """A 0-byte file in a folder is named and skipped; a folder of only empty files is an
+    error at the flag check, not an epoch that reads nothing."""
+    from boost_compiler.train.stream import resolve_files
+
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.txt").write_text("text")
+    with caplog.at_level("WARNING", logger="boost_compiler"):
+        assert resolve_files([str(tmp_path)]) == [tmp_path / "b.txt"]
+    assert "skipping 1 empty file(s)" in caplog.text and "a.jsonl" in caplog.text
+    (tmp_path / "b.txt").write_text("")
+    with pytest.raises(DataError, match="every data file in this folder is empty"):
+        resolve_files([str(tmp_path)])
+
+
 @pytest.mark.parametrize("case", ["missing", "extension", "field", "column", "empty"])
 def test_data_errors_name_the_file(corpus: dict[str, Any], tmp_path: Path, case: str) -> None:
     import pyarrow as pa

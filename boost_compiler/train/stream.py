@@ -72,7 +72,14 @@ def resolve_files(paths: Sequence[str], flag: str = "--data") -> list[Path]:
                             flag, p, len(other), ", ".join(other[:5]))  # fmt: skip
             if not known:
                 raise DataError(f"{flag} {p}: no .txt, .jsonl or .parquet files in this folder")
-            out += known
+            empty = [f for f in known if f.stat().st_size == 0]
+            if len(empty) == len(known):
+                raise DataError(f"{flag} {p}: every data file in this folder is empty (0 bytes): "
+                                f"{', '.join(map(str, empty[:5]))}")  # fmt: skip
+            if empty:
+                log.warning("%s %s: skipping %d empty file(s) (0 bytes): %s", flag, p, len(empty),
+                            ", ".join(map(str, empty[:5])))  # fmt: skip
+            out += [f for f in known if f not in empty]
         elif p.is_file():
             if p.suffix.lower() not in SUFFIXES:
                 raise DataError(
