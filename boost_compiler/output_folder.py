@@ -44,11 +44,16 @@ _RUN_LOCK = ".lock"
 
 def training_folder(folder: Path) -> str | None:
     """Why ``folder`` belongs to a training run, or None: a checkpoint's step folder (one
-    holding DCP's ``.metadata`` or ``train_state.json``), a folder inside one, or a run
+    holding DCP's ``.metadata`` or ``train_state.json``), a folder inside one (a ``step_N``
+    with ``.metadata``, or one holding ``train_state.json``), or a run
     folder (``--checkpoint-dir``: holding ``step_N`` checkpoints or the run's ``.lock``)."""
     folder = folder.absolute()
     for p in (folder, *folder.parents):
         held = [n for n in _CHECKPOINT_FILES if (p / n).is_file()]
+        # Above the folder, a bare ``.metadata`` is any tool's file (a home folder's): only a
+        # step folder's, or one beside a train_state.json, marks a checkpoint.
+        if p != folder and held == [".metadata"] and not _STEP_DIR.match(p.name):
+            held = []
         if held:
             where = "it" if p == folder else f"{p}, a folder above it,"
             return f"a training checkpoint's folder ({where} holds {', '.join(held)})"

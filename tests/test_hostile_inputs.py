@@ -316,6 +316,20 @@ def test_export_into_a_training_checkpoint_is_refused(
     assert main(["export", "--checkpoint", str(run), "--format", "hf", str(tmp_path / "o")]) == 0
 
 
+def test_a_metadata_file_above_an_output_folder_is_no_checkpoint(tmp_path: Path) -> None:
+    """``.metadata`` is a common name: above the output folder it marks a checkpoint only in
+    a ``step_N`` folder (or beside train_state.json), not in a user's home or project."""
+    from boost_compiler.output_folder import training_folder
+
+    (tmp_path / ".metadata").write_text("some other tool's")
+    assert training_folder(tmp_path / "export") is None
+    assert training_folder(tmp_path) is not None  # the folder itself: still refused
+    step = tmp_path / "run" / "step_3"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_text("dcp")
+    assert "step_3, a folder above it, holds .metadata" in str(training_folder(step / "hf"))
+
+
 def test_export_into_a_non_empty_folder_needs_overwrite(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
