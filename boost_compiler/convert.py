@@ -194,6 +194,17 @@ def _conv1d_type() -> type | None:
     return Conv1D
 
 
+def _linear_equivalents() -> tuple[type, ...]:
+    """Subclasses of ``nn.Linear`` whose forward is ``nn.Linear``'s math, by exact type (an
+    allowlist: a subclass's forward may do anything). Falcon's ``FalconLinear`` computes
+    ``x @ W.T + b``, which ``F.linear`` is."""
+    try:
+        from transformers.models.falcon.modeling_falcon import FalconLinear
+    except Exception:  # transformers absent, or Falcon gone from it
+        return ()
+    return (FalconLinear,)
+
+
 def _dense_weight(mod: nn.Module, conv1d: type | None) -> torch.Tensor:
     """The weight as ``[d_out, d_in]`` whatever the layout."""
     w = mod.weight.detach()
@@ -388,7 +399,7 @@ def _why_dense(
     explicit: bool,
 ) -> str:
     """Why a candidate must stay dense ("" if it can be converted)."""
-    if type(mod) not in (nn.Linear, conv1d):
+    if type(mod) not in (nn.Linear, conv1d, *_linear_equivalents()):
         return f"{type(mod).__name__} is a subclass of nn.Linear with its own behaviour"
     if isinstance(parent, nn.MultiheadAttention):
         return "nn.MultiheadAttention reads this weight directly, not through the module"

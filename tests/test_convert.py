@@ -287,6 +287,40 @@ def test_gpt2_conv1d_svd_matches_transposed_weight() -> None:
     assert all(layer.rel_error <= 1e-5 for layer in report.layers)
 
 
+def test_falcon_linear_converts_exactly_at_full_rank() -> None:
+    """Falcon's ``FalconLinear`` (an ``nn.Linear`` subclass computing ``x @ W.T + b``) is on
+    the allowlist: every projection converts, and where the weights have the rank kept the
+    logits are the dense model's. Any other subclass still stays dense, named."""
+    tf = need("transformers")
+    torch.manual_seed(0)
+    cfg = tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          vocab_size=96, new_decoder_architecture=False, multi_query=True,
+                          bias=True)  # fmt: skip
+    model = tf.FalconForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # rank-16 weights: the rank-16 SVD is exact
+        for mod in model.modules():
+            if type(mod).__name__ == "FalconLinear":
+                d_out, d_in = mod.weight.shape
+                mod.weight.copy_(
+                    torch.randn(d_out, 16, generator=g) @ torch.randn(16, d_in, generator=g) / 8
+                )
+    ids = _ids()
+    before = model(ids).logits.detach()
+    report = to_low_rank(model, method="svd", rank=16)
+    kinds = {type(model.get_submodule(n)).__name__ for n in report.converted}
+    assert len(report.converted) == 8 and kinds == {"LowRankLinear"}, report.converted
+    assert not [n for n, why in report.skipped.items() if "subclass" in why], report.skipped
+    after = model(ids).logits.detach()
+    assert ((after - before).abs().max() / before.abs().max()).item() <= 1e-4
+
+    class Scaled(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    assert "own behaviour" in to_low_rank(nn.Sequential(Scaled(64, 64))).skipped["0"]
+
+
 def test_llama_cola_detected_and_trains() -> None:
     tf = need("transformers")
     torch.manual_seed(0)
