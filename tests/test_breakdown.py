@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.profiler import record_function
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from boost_compiler.bench import breakdown
 from boost_compiler.bench.harness import spawn
@@ -58,6 +58,41 @@ def test_classify() -> None:
         "other compute"
     )
     assert breakdown.classify("TorchDynamo Cache Lookup") == "overhead"
+
+
+def test_compiled_kernels_count_by_kind_and_as_other_compute() -> None:
+    """With kernel_events on, Inductor's fused C++ kernels record events of their own: an
+    RMSNorm's kernel counts as a norm, a cross-entropy's as the loss, both as other compute
+    in the parts; the kinds' compute adds up to the parts' compute of the same step."""
+    w, head = torch.ones(64, requires_grad=True), torch.randn(64, 96, requires_grad=True)
+
+    def step_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        return torch.nn.functional.cross_entropy(h @ head, y)  # a GEMM between: 2 kernels
+
+    torch._dynamo.reset()
+    with breakdown.kernel_events():
+        fn = torch.compile(step_fn, backend="inductor")
+        x, y = torch.randn(32, 64), torch.randint(0, 96, (32,))
+        fn(x, y).backward()
+    steps = breakdown.profile_steps(lambda i: fn(x, y).backward(), 0, 2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(x, y).backward()
+    kernels = {e.name for e in prof.events() if breakdown.is_kernel(e.name)}
+    assert kernels, "no Inductor kernel recorded an event: the kinds would see none"
+    kinds = {breakdown.kind_of(k) for k in kernels}
+    assert {"norm", "loss"} <= kinds, sorted(kernels)
+    assert all(breakdown.classify(k) == "other compute" for k in kernels)
+    for s in steps:
+        compute = s["GEMM"] + s["other compute"] + s["exposed comm"]
+        kinded = sum(v for k, v in s["kinds"].items() if k != "optimizer")
+        assert kinded == pytest.approx(compute, rel=1e-6), (s, s["kinds"])
+        assert s["kinds"]["norm"] > 0 and s["kinds"]["loss"] > 0
+    assert breakdown.kind_of("cpp_fused__log_softmax_amax_exp_sub_sum_3") == "loss"
+    assert breakdown.kind_of("graph_0_cpp_fused_add_mean_mul_pow_rsqrt_1") == "norm"
+    assert breakdown.kind_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert breakdown.kind_of("TorchDynamo Cache Lookup") is None
+    assert breakdown.kind_of("cpp_fused_add_2") == "other"
 
 
 # Rank 1's lateness: long against what a loaded 2-core machine adds to a 4 KB all-reduce

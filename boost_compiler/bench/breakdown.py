@@ -29,11 +29,22 @@ in red (:func:`clock_note`).
 Overhead is the remainder, so the parts of a profiled step sum to its wall time exactly;
 what can disagree is the profiled step and the timed ones (profiler cost), reported as
 ``profiled_vs_timed``. The step whose wall time is the median of the profiled ones is kept.
+
+Each step is also split by kind of work (``kinds``: the loss, the embedding, the norms,
+attention, activations, copies, other), so that a rank's "other compute" can be set against
+one process's kind by kind (issue 45). Inductor's compiled graphs run their fused kernels
+inside one ``## Call CompiledFxGraph`` event; with :func:`kernel_events` on (Inductor's
+``cpp.enable_kernel_profile``, set before the compile) each C++ kernel records an event
+named after the ATen ops it fuses (``cpp_fused__log_softmax_amax_exp_sub_sum_3``), and its
+kind is read from that name, first match in :data:`KINDS`' order: a heuristic, so the table
+says "by kernel name", and what matches nothing is "other", not guessed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 PARTS = ("GEMM", "other compute", "exposed comm", "optimizer", "overhead")
@@ -58,7 +69,7 @@ def classify(name: str) -> str:
         return "GEMM"
     if name in COMM_NAMES or name.startswith(COMM_PREFIXES):
         return "exposed comm"
-    if name.startswith(("aten::", INDUCTOR_CALL)):
+    if name.startswith(("aten::", INDUCTOR_CALL)) or is_kernel(name):
         return "other compute"
     return "overhead"
 
@@ -100,7 +111,7 @@ def steps_of(prof: Any) -> list[dict[str, float]]:
             and step.time_range.start <= e.time_range.start
             and e.time_range.end <= step.time_range.end
         ]  # fmt: skip
-        out.append(split_step(step, inside))
+        out.append({**split_step(step, inside), "kinds": split_kinds(step, inside)})
     return out
 
 
@@ -169,7 +180,86 @@ def within(parts: dict[str, Any], tolerance: float = 0.05) -> bool:
     return bool(timed) and abs(total - timed) <= tolerance * timed
 
 
+# --- the same step by kind of work (issue 45): the loss, the norms, attention, ... --------
+# kind -> name fragments (first match wins: attention before the loss, whose fused names
+# share amax/exp with a decomposed softmax; copies last, as casts appear in many fusions).
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("scaled_dot_product", "flash_attention", "sdpa")),
+    ("loss", ("log_softmax", "logsumexp", "nll_loss", "cross_entropy", "online_ce", "amax")),
+    ("embedding", ("embedding",)),
+    ("norm", ("rsqrt", "layer_norm", "rms_norm")),
+    ("activation", ("silu", "gelu", "sigmoid", "relu", "tanh")),
+    ("copies", ("clone", "copy", "cat", "slice_scatter", "contiguous", "index_put")),
+)
+FINE = ("GEMM", *(k for k, _ in KINDS), "other", "comm", "optimizer")
+# Inductor's kernel events: ``graph_0_cpp_fused_add_mean_mul_pow_rsqrt_1`` (C++, per graph)
+KERNEL_NAME = re.compile(r"^(graph_\d+_)?(cpp_|triton_)")
+
+
+def is_kernel(name: str) -> bool:
+    """An Inductor kernel's own event (recorded with :func:`kernel_events` on)."""
+    return KERNEL_NAME.match(name) is not None
+
+
+def kind_of(name: str) -> str | None:
+    """The kind of an event's work, or None for what is no compute (Python, dispatch)."""
+    if name in GEMM_OPS:
+        return "GEMM"
+    if name in COMM_NAMES or name.startswith(COMM_PREFIXES):
+        return "comm"
+    if not (name.startswith(("aten::", INDUCTOR_CALL)) or is_kernel(name)):
+        return None
+    if name.startswith(INDUCTOR_CALL):
+        return "other"  # the compiled graph's own time around its kernels
+    low = name.lower()
+    return next((kind for kind, words in KINDS if any(w in low for w in words)), "other")
+
+
+def split_kinds(step: Any, events: list[Any]) -> dict[str, float]:
+    """Self time (ms) by kind of the events inside one profiled step; the optimizer's range
+    counted whole, as :func:`.breakdown.split_step` counts it."""
+    out = dict.fromkeys(FINE, 0.0)
+    opt = [(e.time_range.start, e.time_range.end) for e in events if e.name == OPTIMIZER_MARK]
+    out["optimizer"] = sum(t - s for s, t in opt) / 1e3
+    for e in events:
+        if e is step or e.name == OPTIMIZER_MARK:
+            continue
+        if any(s <= e.time_range.start and e.time_range.end <= t for s, t in opt):
+            continue
+        kind = kind_of(e.name)
+        if kind is not None:
+            out[kind] += e.self_cpu_time_total / 1e3
+    return out
+
+
+@contextlib.contextmanager
+def kernel_events() -> Iterator[None]:
+    """Inductor's C++ kernels each record a profiler event (compiled inside this context).
+
+    The cost when no profiler runs is one check per kernel call; the compiled code keeps it.
+    """
+    import torch._inductor.config as inductor
+
+    before = inductor.cpp.enable_kernel_profile
+    inductor.cpp.enable_kernel_profile = True
+    try:
+        yield
+    finally:
+        inductor.cpp.enable_kernel_profile = before
+
+
+def ratio_rows(one: dict[str, float], ranks: list[dict[str, float]]) -> list[tuple[str, ...]]:
+    """``(kind, one process, rank 0, ..., slowest rank / one process)`` per kind, as text."""
+    rows = []
+    for kind in FINE:
+        base, mine = one.get(kind, 0.0), [r.get(kind, 0.0) for r in ranks]
+        ratio = f"{max(mine) / base:.2f}" if base > 0.05 else "-"
+        rows.append((kind, f"{base:.1f}", *(f"{m:.1f}" for m in mine), ratio))
+    return rows
+
+
 __all__ = [
-    "PARTS", "classify", "clock_note", "median_step", "profile_steps", "split_step", "steps_of",
+    "FINE", "KINDS", "PARTS", "classify", "clock_note", "is_kernel", "kernel_events", "kind_of",
+    "median_step", "profile_steps", "ratio_rows", "split_kinds", "split_step", "steps_of",
     "summarise", "within",
 ]  # fmt: skip

@@ -83,6 +83,7 @@ from .tables import (
     breakdown_table,
     comm_table,
     escape,
+    kinds_table,
     ratio_lines,
     summary_table,
     time_table,
@@ -311,6 +312,7 @@ def _print_tables(
     console.print(summary_table(summary, args.tp))
     console.print(time_table(summary, args.tp))
     console.print(breakdown_table(summary))
+    console.print(kinds_table(summary))
     for line in ratio_lines(summary):
         console.print(line)
     if gemm:

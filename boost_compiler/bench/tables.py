@@ -163,6 +163,45 @@ def breakdown_table(summary: dict[str, dict[str, Any]]) -> Any:
     return t
 
 
+def kinds_table(summary: dict[str, dict[str, Any]]) -> Any:
+    """Each tensor-parallel system's step by kind of work, per rank, against one process's
+    (Inductor): the parts of "other compute" that do not halve (issue 45)."""
+    from rich.table import Table
+
+    from .breakdown import ratio_rows
+
+    t = Table(
+        title="A rank's step by kind of work against one process's (ms of self time, the "
+        "profiled step of median wall time; by op and compiled-kernel name)",
+        title_justify="left",
+        caption="one: the 1-process Inductor run; ratio: the slowest rank over one process "
+        "(0.50 halves at tp=2). Kinds from the names of ATen ops and of Inductor's fused "
+        "kernels (bench/breakdown.py KINDS): a fused kernel counts once, under its first "
+        "matching kind; other: what matches none.",
+        caption_justify="left",
+    )
+    found = {}
+    for size, rows in summary.items():
+        one = _all_kinds(rows.get("inductor", {}))[:1]
+        ranked = [(s, _all_kinds(r)) for s, r in rows.items() if s in TP_SYSTEMS]
+        found[size] = [(s, one[0], ks) for s, ks in ranked if ks and one]
+    width = max((len(ks) for items in found.values() for _, _, ks in items), default=0)
+    for c in ("size", "system", "kind", "one", *(f"rank {k}" for k in range(width)), "ratio"):
+        t.add_column(c, justify="left" if c in ("size", "system", "kind") else "right")
+    for size, items in found.items():
+        for i, (system, one, ranks) in enumerate(items):
+            body = ratio_rows(one, ranks)
+            for k, row in enumerate(body):
+                pad = ("",) * (width - len(ranks))
+                t.add_row(size if i == 0 and k == 0 else "", system if k == 0 else "",
+                          *row[:-1], *pad, row[-1], end_section=k == len(body) - 1)  # fmt: skip
+    return t
+
+
+def _all_kinds(row: dict[str, Any]) -> list[dict[str, float]]:
+    return [b["kinds"] for b in (row.get("breakdown") or {}).get("ranks", []) if "kinds" in b]
+
+
 def ratio_lines(summary: dict[str, dict[str, Any]]) -> list[str]:
     out = []
     for size, rows in summary.items():

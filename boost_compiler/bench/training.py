@@ -212,7 +212,10 @@ def run_group(
     out: dict[str, Any] = {}
     for name, spec in specs.items():
         torch._dynamo.reset()
-        out[name] = _time_interleaved(systems, ModelSpec(**spec), world, mesh, steps, warmup, lr)
+        # compiled here (the warm-up): each Inductor kernel an event of the breakdown's kinds
+        with breakdown.kernel_events():
+            out[name] = _time_interleaved(systems, ModelSpec(**spec), world, mesh, steps,
+                                          warmup, lr)  # fmt: skip
         for system, sysrun in list(out[name].items()):
             if isinstance(sysrun, _System):
                 out[name][system] = sysrun.finish(profile, breakdown_steps)
