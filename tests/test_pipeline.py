@@ -428,10 +428,10 @@ def test_pp2_tp2_compiled_hf_families_are_exact(family: str) -> None:
     assert all(r["compiled_graphs"] > 0 for r in res["ranks"]), res["ranks"]
 
 
-# OLMo 2's tiny model amplifies float32 rounding even at lr 1e-3: a single-device twin
-# perturbed by 1e-7 differs by 3.2e-5 in its gradients after one step (measured; its
-# stages match one device to 7e-13 in float64). Every other family stays under 1e-5.
-NOISY = {"olmo2": 1e-4}
+# Tiny models amplify float32 rounding even at lr 1e-3: a single-device twin perturbed by
+# 1e-7 differs by 3.2e-5 in OLMo 2's gradients after one step (its stages match one device
+# to 7e-13 in float64), by 1.7e-5 in Qwen2's on transformers 5.25 (its worst tensor 8.7e-6
+# against the twin's 8.9e-6). Each family is bounded by its own twin, tensor by tensor.
 FAMILIES_TP = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "phi3",
                "olmo2", "cohere", "stablelm", "starcoder2", "gpt_neox", "mixtral", "qwen3_moe",
                "deepseek_v3")  # fmt: skip
@@ -445,7 +445,7 @@ def families() -> dict:
 
     kinds = {"gemma3_text": "gemma3"}
     checks = [(f, FN, (2, 1, 2, 2), {"model": f"zoo:{kinds.get(f, f)}", "steps": 3,
-                                      "lr": 1e-3}) for f in CHECKED]  # fmt: skip
+                                      "lr": 1e-3, "noise": True}) for f in CHECKED]  # fmt: skip
     return run_world(4, checks)
 
 
@@ -455,7 +455,7 @@ def test_pp2_tp2_every_family_is_exact(families: dict, family: str) -> None:
     """Stages of every accepted family under BTP at tp=2 equal one device (each rank)."""
     need("transformers")
     res = result_of(families, family)
-    _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3, rtol=NOISY.get(family, RTOL))
+    _check_exact(res, 2, 1, 2, 2, model="zoo", steps=3, noise=PP_NOISE)
 
 
 def test_every_accepted_family_is_checked_at_tp2() -> None:
