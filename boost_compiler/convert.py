@@ -22,6 +22,7 @@ head tied to the embedding cannot be factored without untying it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -194,6 +195,7 @@ def _conv1d_type() -> type | None:
     return Conv1D
 
 
+@functools.cache
 def _linear_equivalents() -> tuple[type, ...]:
     """Subclasses of ``nn.Linear`` whose forward is ``nn.Linear``'s math, by exact type (an
     allowlist: a subclass's forward may do anything). Falcon's ``FalconLinear`` computes
@@ -261,8 +263,8 @@ def to_low_rank(
     down to a multiple of ``multiple_of`` (use the TP degree, or 8 for tensor cores), and
     a layer where that is 0 stays dense. ``include``/``exclude`` are ``fnmatch`` patterns
     over module names; a pattern also matches a module's descendants (``"*.mlp"`` selects
-    every projection inside each MLP). Converted: ``nn.Linear`` and Hugging Face's
-    ``Conv1D``; with ``experts=True`` also ``transformers``' routed MoE experts, each
+    every projection inside each MLP). Converted: ``nn.Linear``, Hugging Face's
+    ``Conv1D`` and Falcon's ``FalconLinear`` (other ``nn.Linear`` subclasses stay dense); with ``experts=True`` also ``transformers``' routed MoE experts, each
     expert's two matrices factored at a rank per expert
     (:mod:`boost_compiler.convert_experts`). Example::
 
@@ -382,8 +384,8 @@ def _check_patterns(
             what = ", ".join(f"'{n}' ({type(modules[n]).__name__})" for n in hit[:5])
             raise UnsupportedModuleError(
                 f"include pattern {pat!r} matches only modules to_low_rank cannot convert: "
-                f"{what}; it converts nn.Linear and transformers' Conv1D (and, with experts=True, "
-                "transformers' routed MoE experts)"
+                f"{what}; it converts nn.Linear, transformers' Conv1D and FalconLinear (and, with "
+                "experts=True, transformers' routed MoE experts)"
             )
     for pat in exclude:
         if not any(n and _covered(n, [pat]) for n in modules):

@@ -163,14 +163,14 @@ class MergedLoRA(nn.Module):
 
         self.fc, self.proj = lora(4 * D, D), lora(D, 4 * D)
 
-    def _apply(self, x: torch.Tensor, w: nn.ParameterList) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, w: nn.ParameterList) -> torch.Tensor:
         base, b, a = w
         if self.how == "merged":
             return x @ (base + b @ a).t()
         return F.linear(x, base) + F.linear(F.linear(x, a), b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self._apply(F.relu(self._apply(x, self.fc)), self.proj)
+        return x + self._project(F.relu(self._project(x, self.fc)), self.proj)
 
 
 class TinyLM(nn.Module):

@@ -131,6 +131,36 @@ def test_plain_tensor_attributes_are_compared_before_their_broadcast() -> None:
     assert _sent(one)[key] != _sent(two)[key]
 
 
+def test_plain_attributes_a_broadcast_cannot_write_are_named_first() -> None:
+    """An expanded view (overlapping elements), a sparse tensor, an inference tensor: no
+    broadcast can write rank 0's values into them, so parallelize's checks refuse them by
+    name (on every rank, before any collective); containers are named entry by entry, a
+    key with no stable text by its position."""
+    import torch
+
+    from boost_compiler.errors import ShardingError
+    from boost_compiler.parallel.agreement import held_tensors
+
+    class Tagged(torch.Tensor):  # a tensor subclass, as DTensor is
+        pass
+
+    m = torch.nn.Linear(4, 4)
+    m.cache = {"k": torch.zeros(2), object(): torch.ones(3)}
+    m.pair = (torch.zeros(1), m.weight)  # an alias of a parameter: the parameter's entry only
+    names = [n for n, _ in held_tensors(m)]
+    assert names == ["weight", "bias", "cache['k']", "cache[#1]", "pair[0]"], names
+    for bad, why in ((torch.ones(1, 3).expand(4, 3), "overlap"),
+                     (torch.eye(3).to_sparse(), "not a strided"),
+                     (torch.ones(2).as_subclass(Tagged), "subclass")):  # fmt: skip
+        m.table = bad
+        with pytest.raises(ShardingError, match=f"table: .*{why}"):
+            held_tensors(m)
+    with torch.inference_mode():
+        m.table = torch.ones(2)
+    with pytest.raises(ShardingError, match="inference-mode"):
+        held_tensors(m)
+
+
 def test_plans_with_other_collectives_differ() -> None:
     """The same placements, other collectives (a rule decided otherwise on one rank):
     the ranks would issue different collectives."""

@@ -89,6 +89,10 @@ def test_compiled_kernels_count_by_kind_and_as_other_compute() -> None:
         assert kinded == pytest.approx(compute, rel=1e-6), (s, s["kinds"])
         assert s["kinds"]["norm"] > 0 and s["kinds"]["loss"] > 0
     assert breakdown.kind_of("cpp_fused__log_softmax_amax_exp_sub_sum_3") == "loss"
+    assert breakdown.kind_of("cpp_fused__softmax_amax_exp_sub_sum_4") == "other"
+    assert breakdown.kind_of("aten::scatter_add_") == "other"
+    assert breakdown.kind_of("aten::cat") == "copies"
+    assert breakdown.kind_of("aten::embedding_dense_backward") == "embedding"
     assert breakdown.kind_of("graph_0_cpp_fused_add_mean_mul_pow_rsqrt_1") == "norm"
     assert breakdown.kind_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert breakdown.kind_of("TorchDynamo Cache Lookup") is None

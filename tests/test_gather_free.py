@@ -58,3 +58,33 @@ def test_pattern_is_exact_with_no_fallback_and_no_more_bytes(
             rank["wire_fwd"],
             rank_free["wire_fwd"],
         )
+
+
+def test_a_computed_weight_with_a_broadcast_bias_runs_whole() -> None:
+    """``F.linear(x, W, b)`` with ``W`` computed from parameters and ``b`` of another shape
+    than ``[d_out]`` (F.linear broadcasts it): no row-parallel split, whose reduce-scatter
+    would slice ``b`` as if it were one per output feature; the call runs whole (exact)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    import boost_compiler
+    from boost_compiler.tp.collectives import fake_process_group
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(64, 32)
+            self.a, self.b = nn.Parameter(torch.randn(32, 4)), nn.Parameter(torch.randn(4, 32))
+            self.bias = nn.Parameter(torch.zeros(16, 1))  # one per token, broadcast
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return F.linear(self.emb(ids).flatten(0, 1), self.a @ self.b, self.bias).sum()
+
+    with fake_process_group(2):
+        model = Model()
+        boost_compiler.parallelize(model, dist.group.WORLD, (torch.randint(0, 64, (2, 8)),))
+        plan = model.boost_plan
+    assert any("'linear'" in f for f in plan.fallbacks), plan.fallbacks
+    assert not any("weight computed whole" in d for d in plan.decisions), plan.decisions

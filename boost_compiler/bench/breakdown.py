@@ -181,15 +181,20 @@ def within(parts: dict[str, Any], tolerance: float = 0.05) -> bool:
 
 
 # --- the same step by kind of work (issue 45): the loss, the norms, attention, ... --------
-# kind -> name fragments (first match wins: attention before the loss, whose fused names
-# share amax/exp with a decomposed softmax; copies last, as casts appear in many fusions).
+# kind -> op names, matched as whole words of an event's name (``cat`` is not ``scatter``);
+# first match wins: attention first, copies last (casts appear in many fusions). A
+# decomposed softmax's ``amax``/``exp`` name no kind: attention's and the loss's look alike.
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("scaled_dot_product", "flash_attention", "sdpa")),
-    ("loss", ("log_softmax", "logsumexp", "nll_loss", "cross_entropy", "online_ce", "amax")),
+    ("loss", ("log_softmax", "logsumexp", "nll_loss", "cross_entropy")),
     ("embedding", ("embedding",)),
     ("norm", ("rsqrt", "layer_norm", "rms_norm")),
     ("activation", ("silu", "gelu", "sigmoid", "relu", "tanh")),
     ("copies", ("clone", "copy", "cat", "slice_scatter", "contiguous", "index_put")),
+)
+_WORDS = tuple(
+    (kind, re.compile("|".join(rf"(?:^|[_:]){w}(?=$|[_\d])" for w in words)))
+    for kind, words in KINDS
 )
 FINE = ("GEMM", *(k for k, _ in KINDS), "other", "comm", "optimizer")
 # Inductor's kernel events: ``graph_0_cpp_fused_add_mean_mul_pow_rsqrt_1`` (C++, per graph)
@@ -212,7 +217,7 @@ def kind_of(name: str) -> str | None:
     if name.startswith(INDUCTOR_CALL):
         return "other"  # the compiled graph's own time around its kernels
     low = name.lower()
-    return next((kind for kind, words in KINDS if any(w in low for w in words)), "other")
+    return next((kind for kind, words in _WORDS if words.search(low)), "other")
 
 
 def split_kinds(step: Any, events: list[Any]) -> dict[str, float]:

@@ -174,8 +174,8 @@ def kinds_table(summary: dict[str, dict[str, Any]]) -> Any:
         title="A rank's step by kind of work against one process's (ms of self time, the "
         "profiled step of median wall time; by op and compiled-kernel name)",
         title_justify="left",
-        caption="one: the 1-process Inductor run; ratio: the slowest rank over one process "
-        "(0.50 halves at tp=2). Kinds from the names of ATen ops and of Inductor's fused "
+        caption="one: the 1-process Inductor run; ratio: each kind's slowest rank over one "
+        "process (0.50 halves at tp=2). Kinds from the names of ATen ops and of Inductor's fused "
         "kernels (bench/breakdown.py KINDS): a fused kernel counts once, under its first "
         "matching kind; other: what matches none.",
         caption_justify="left",

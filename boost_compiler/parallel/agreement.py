@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from ..device import group_backend, pick_device
-from ..errors import PeerRankError, RankMismatchError
+from ..errors import PeerRankError, RankMismatchError, ShardingError
 from ..tp.groups import TPGroup
 
 #: What a rank sends in place of its values when its own preparation raised.
@@ -101,8 +101,8 @@ def agree(
         if _FAILED in theirs:
             first = str(theirs[_FAILED]).splitlines()[0][:500]
             raise PeerRankError(
-                f"{what}: rank {rank} of {pg.size()} failed ({first}); this rank (rank "
-                f"{pg.rank()}) stops with it, nothing was modified here"
+                f"{what}: {_who(pg, rank)} of {pg.size()} failed ({first}); this rank "
+                f"({_who(pg, pg.rank())}) stops with it, nothing was modified here"
             )
     for key in table[0]:
         values = [theirs.get(key) for theirs in table]
@@ -113,6 +113,16 @@ def agree(
                 "must run the same program on the same shapes: give each rank the same "
                 f"{key}"
             )
+
+
+def _who(pg: dist.ProcessGroup, rank: int) -> str:
+    """``rank r`` of the group, with its global rank where the two differ (a TP group of a
+    dp x tp job: the logs name global ranks)."""
+    try:
+        world = dist.get_global_rank(pg, rank)
+    except (RuntimeError, ValueError):  # the fake group (one process) maps no ranks
+        world = rank
+    return f"rank {rank}" if world == rank else f"rank {rank} (global rank {world})"
 
 
 def _shown(values: list[Any]) -> str:
@@ -133,36 +143,61 @@ def _shown(values: list[Any]) -> str:
 
 
 def broadcast_from_first(model: nn.Module, group: TPGroup) -> int:
-    """Rank 0's values of every tensor ``model`` holds on every rank of ``group``.
+    """Rank 0's values of the tensors ``model`` holds on every rank of ``group``.
 
     What DDP and FSDP do when they wrap a model: ranks that built it from different
     seeds (a script without ``torch.manual_seed``) then hold one model, rank 0's. Beyond
     their parameters and buffers, this covers the tensors a module keeps as plain
-    attributes (``self.proj = torch.randn(d, r)``): the forward reads them as it reads a
-    buffer, and traced graphs hold them as constants. Meta tensors have no values to
-    send. Returns how many tensors were broadcast.
+    attributes (``self.proj = torch.randn(d, r)``, :func:`held_tensors`): the forward reads
+    them as it reads a buffer, and traced graphs hold them as constants. One broadcast per
+    entry of :func:`held_tensors` that has values (not meta), in its order, which every
+    rank agreed on before (``parallelize``'s agreement): an alias is sent twice, harmlessly,
+    so the ranks' broadcasts pair one for one whatever aliases each holds. Returns how many
+    tensors were broadcast.
     """
     pg = _process_group(group)
     if not _communicates(pg):
         return 0
-    tensors = {id(t): t for _, t in held_tensors(model) if not t.is_meta}
+    sent = 0
     with torch.no_grad():
-        for t in tensors.values():
-            # Collectives need contiguous memory (NCCL and gloo refuse a transposed view):
-            # send a contiguous copy and write it back into the tensor as laid out.
-            sent = t.data if t.data.is_contiguous() else t.data.contiguous()
-            # gloo has no bool all-reduce/broadcast kernel on every build: send the bytes
-            wire = sent.view(torch.uint8) if sent.dtype == torch.bool else sent
-            dist.broadcast(wire, group=pg, group_src=0)
-            if sent is not t.data:
-                t.data.copy_(sent)
-    return len(tensors)
+        for _, t in held_tensors(model):
+            if not t.is_meta:
+                _broadcast_into(t, pg)
+                sent += 1
+    return sent
+
+
+def _broadcast_into(t: torch.Tensor, pg: dist.ProcessGroup) -> None:
+    """Rank 0's values into ``t``, whatever its layout or device.
+
+    Collectives need contiguous memory (NCCL and gloo refuse a transposed view), bool goes
+    as bytes (gloo has no bool kernel on every build), a CPU attribute on an NCCL-only group
+    goes through the accelerator: the values travel in a contiguous staging copy on a device
+    the group serves, written back into the tensor as it is laid out.
+    """
+    data = t.data
+    device = data.device if group_backend(pg, data.device) is not None else pick_device()
+    wire = data if data.is_contiguous() and device == data.device else data.contiguous().to(device)
+    dist.broadcast(wire.view(torch.uint8) if wire.dtype == torch.bool else wire, group=pg,
+                   group_src=0)  # fmt: skip
+    if wire is not data:
+        data.copy_(wire)
 
 
 def held_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of every parameter, buffer and plain tensor attribute of ``model``
-    (directly, or in a list, tuple or dict: ``blocks.0.proj``, ``cache[1]``), in a fixed
-    order; a tensor reachable twice is listed under each name."""
+    """``(name, tensor)`` of every parameter and buffer of ``model``, and of every tensor a
+    module holds as a plain attribute, directly or one level inside a list, tuple or dict
+    (``blocks.0.proj``, ``cache[1]``, ``table['k']``; a key that is no string or number is
+    named by its position: its ``repr`` may differ between processes). Not searched: sets,
+    deeper containers, other objects' attributes. Fixed order; an alias of a parameter or
+    buffer is left out, other aliases are listed under each name.
+
+    A plain attribute whose values a broadcast cannot write back raises a
+    :class:`~boost_compiler.errors.ShardingError` naming it, here, before any collective (in
+    ``parallelize``'s checks, so every rank stops): a sparse or other non-strided tensor, a
+    tensor subclass (a DTensor), an expanded view whose elements overlap, an inference-mode
+    tensor.
+    """
     found = [*model.named_parameters(), *model.named_buffers()]
     registered = {id(t) for _, t in found}
     for path, module in model.named_modules():
@@ -170,15 +205,38 @@ def held_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for attr, value in vars(module).items():
             if attr in ("_parameters", "_buffers", "_modules"):
                 continue
-            if isinstance(value, dict):
-                items = [(f"[{k!r}]", v) for k, v in value.items()]
-            elif isinstance(value, (list, tuple)):
-                items = [(f"[{i}]", v) for i, v in enumerate(value)]
-            else:
-                items = [("", value)]
-            found += [(f"{prefix}{attr}{key}", v) for key, v in items
-                      if isinstance(v, torch.Tensor) and id(v) not in registered]  # fmt: skip
+            for key, v in _entries(value):
+                if isinstance(v, torch.Tensor) and id(v) not in registered:
+                    name = f"{prefix}{attr}{key}"
+                    _check_broadcastable(name, v)
+                    found.append((name, v))
     return found
+
+
+def _entries(value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [(f"[{k!r}]" if isinstance(k, (str, int)) else f"[#{i}]", v)
+                for i, (k, v) in enumerate(value.items())]  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(value)]
+    return [("", value)]
+
+
+def _check_broadcastable(name: str, t: torch.Tensor) -> None:
+    why = (
+        "a tensor subclass" if type(t) is not torch.Tensor
+        else "not a strided (dense) tensor" if t.layout != torch.strided
+        else "an inference-mode tensor" if t.is_inference()
+        else "an expanded view whose elements overlap" if torch._debug_has_internal_overlap(t) == 1
+        else ""
+    )  # fmt: skip
+    if why:
+        raise ShardingError(
+            f"{name}: a tensor held as a plain module attribute, {why}: parallelize sends rank "
+            "0's values of every tensor a model holds to the other ranks and cannot write "
+            "them into this one. Register it as a buffer of its base values, or compute it "
+            "in forward"
+        )
 
 
 __all__ = [

@@ -327,10 +327,11 @@ def _computed_weight(
     if weight_parameter(w, ctx.param_names()) is not None:  # a parameter's: its own rule
         return None
     x_nd, w_shape = len(shape_of(x) or ()), shape_of(w)
-    if (
-        w_shape is None or len(w_shape) != 2 or pls.get(w) != R
-        or pls.get(x) != S(x_nd - 1) or (bias is not None and pls.get(bias) != R)
-    ):  # fmt: skip
+    if w_shape is None or len(w_shape) != 2 or pls.get(w) != R or pls.get(x) != S(x_nd - 1):
+        return None
+    # A bias other than ``[d_out]`` (F.linear broadcasts any) would be sliced as if it were
+    # one by the reduce-scatter: such a call runs whole.
+    if bias is not None and (pls.get(bias) != R or shape_of(bias) != (w_shape[0],)):
         return None
     s = Strategy(out=P, label="weight computed whole: its slice, row-parallel")
     s.read(w, S(1 if kind == "linear" else 0), "the split input's features")

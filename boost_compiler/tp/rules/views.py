@@ -290,7 +290,7 @@ def expand(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
 
 
 @rule("repeat")
-def repeat(ctx: RuleContext, node: fx.Node) -> Strategy:
+def repeat(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     """``x.repeat(*sizes)`` / ``x.tile(dims)``: tiles of ``x`` side by side, leading dims added.
 
     A shard stays a shard, on the dim it moves to, where that dim is tiled once: each
