@@ -187,3 +187,33 @@ def test_a_difference_in_a_long_list_is_named_by_its_entry() -> None:
     assert shown == ("entry 7 of 300: rank 0: layers.7.w: [4, 4] float32 cpu; "
                      "rank 1: layers.7.w: [4, 8] float32 cpu")  # fmt: skip
     assert "entry 300 of 301: rank 0: none (it has 300)" in _shown([tensors, [*tensors, "x"]])
+
+
+def test_object_collectives_on_nccl_alone_use_the_ranks_own_device(monkeypatch) -> None:
+    """A script that never set its CUDA device leaves every rank on device 0; on an
+    NCCL-only group the agreement's object collective would then put every rank on one
+    GPU. Under torchrun it runs on LOCAL_RANK's device instead (a CPU-serving group, a set
+    device, or no torchrun: left as it is)."""
+    import contextlib
+
+    import torch
+
+    from boost_compiler.parallel import agreement
+
+    served = {"cpu": None}
+    monkeypatch.setattr(agreement, "group_backend", lambda pg, dev: served[str(dev)])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    current = {"index": 0}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    monkeypatch.setattr(torch.cuda, "device", lambda i: ("device", i))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert agreement._object_device(None) == ("device", 3)
+    current["index"] = 2  # the script set one: kept
+    assert isinstance(agreement._object_device(None), contextlib.nullcontext)
+    current["index"] = 0
+    served["cpu"] = "gloo"  # objects go through gloo on the CPU
+    assert isinstance(agreement._object_device(None), contextlib.nullcontext)
+    served["cpu"] = None
+    monkeypatch.delenv("LOCAL_RANK")
+    assert isinstance(agreement._object_device(None), contextlib.nullcontext)

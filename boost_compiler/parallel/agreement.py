@@ -14,8 +14,10 @@ plan file, a batch's shapes) is compared and a difference refused by name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,6 +43,25 @@ def _process_group(group: TPGroup | dist.ProcessGroup) -> dist.ProcessGroup:
 def _communicates(pg: dist.ProcessGroup) -> bool:
     # The fake group (structure tests, one process) moves no bytes: nothing to agree on.
     return pg.size() > 1 and group_backend(pg, pick_device()) != "fake"
+
+
+def _object_device(pg: dist.ProcessGroup) -> contextlib.AbstractContextManager[Any]:
+    """The device an object collective runs on, this rank's own.
+
+    On a group that moves no CPU tensors (NCCL alone), ``all_gather_object`` pickles into
+    a tensor on ``torch.cuda.current_device()``. A script that never called
+    ``torch.cuda.set_device`` leaves every rank on device 0, and NCCL then refuses (or
+    hangs on) a collective whose ranks share a GPU. Under torchrun the rank's device is
+    ``LOCAL_RANK`` modulo the devices it sees: used for this collective where the current
+    device is still the default, without changing the process's setting.
+    """
+    local = os.environ.get("LOCAL_RANK")
+    if local is None or not torch.cuda.is_available() or group_backend(pg, "cpu") is not None:
+        return contextlib.nullcontext()
+    want = int(local) % torch.cuda.device_count()
+    if torch.cuda.current_device() != 0 or want == 0:
+        return contextlib.nullcontext()  # set by the script (or already the rank's own)
+    return torch.cuda.device(want)
 
 
 def input_signature(args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> list[str]:
@@ -94,7 +115,8 @@ def agree(
     failed = isinstance(mine, BaseException)
     payload = {_FAILED: f"{type(mine).__name__}: {mine}"} if failed else dict(mine)
     table: list[Any] = [None] * pg.size()
-    dist.all_gather_object(table, payload, group=pg)
+    with _object_device(pg):
+        dist.all_gather_object(table, payload, group=pg)
     if failed:
         raise mine  # type: ignore[misc]
     for rank, theirs in enumerate(table):
