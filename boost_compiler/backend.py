@@ -141,6 +141,7 @@ def _inline_regions(gm: fx.GraphModule, opts: BoostOptions) -> None:
     AOTAutograd's fake mode: run as-is the graph fails in backward with a bare
     AssertionError. Under ``checkpoint``: torch 2.13 cannot partition a body that
     recomputes a random op (:func:`~boost_compiler.passes.activation_checkpoint.inline_tagged_regions`).
+    Under Inductor, a body computing on complex tensors: :func:`_holds_complex`.
     The bodies are inlined as the passes left them, so every lowering of a parallelized
     model runs the same per-block plan (planned whole, a model's parameters fixed per
     block could meet a rule that wants them otherwise: a gather).
@@ -151,6 +152,27 @@ def _inline_regions(gm: fx.GraphModule, opts: BoostOptions) -> None:
                  n, opts.passes["checkpoint"])  # fmt: skip
     elif opts.settings["lowering"] == "eager" and (n := inline_all(gm)):
         log.debug("boost: %d nested compile region call(s) inlined for eager lowering", n)
+    elif calls(gm.graph) and _holds_complex(gm) and (n := inline_all(gm)):
+        log.info("boost: %d nested compile region call(s) inlined: a body computes on complex "
+                 "tensors (rotary as view_as_complex)", n)  # fmt: skip
+
+
+def _holds_complex(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` or a body it calls computes a complex value. torch 2.13's backward of
+    a region (``invoke_subgraph``) that does has no kernel at the Conjugate dispatch key
+    (``NotImplementedError`` when Inductor compiles the backward): Meta's rotary embedding
+    (``view_as_complex``) per block."""
+    return any(
+        node.target in _COMPLEX_MAKERS or any(
+            isinstance(v := node.meta.get(key), torch.Tensor) and v.is_complex()
+            for key in ("val", "example_value"))
+        for sub in gm.modules() if isinstance(sub, fx.GraphModule)
+        for node in sub.graph.nodes
+    )  # fmt: skip
+
+
+# Ops whose result is complex (a rewritten graph's nodes may carry no recorded value).
+_COMPLEX_MAKERS = (torch.view_as_complex, torch.polar, torch.complex)
 
 
 def _lower_with_inductor(
