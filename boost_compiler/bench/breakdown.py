@@ -82,22 +82,26 @@ def split_step(step: Any, events: list[Any]) -> dict[str, float]:
     """
     start, end = step.time_range.start, step.time_range.end
     parts = dict.fromkeys(PARTS, 0.0)
-    opt_ranges = [
-        (e.time_range.start, e.time_range.end) for e in events if e.name == OPTIMIZER_MARK
-    ]
-    for s, t in opt_ranges:
-        parts["optimizer"] += (t - s) / 1e3
-    for e in events:
-        if e is step or e.name in (STEP_MARK, OPTIMIZER_MARK):
-            continue
-        if any(s <= e.time_range.start and e.time_range.end <= t for s, t in opt_ranges):
-            continue
+    parts["optimizer"], outside = _optimizer_ms(step, events)
+    for e in outside:
         part = classify(e.name)
         if part != "overhead":
             parts[part] += e.self_cpu_time_total / 1e3
     wall = (end - start) / 1e3
     parts["overhead"] = wall - sum(v for k, v in parts.items() if k != "overhead")
     return {"wall_ms": wall, **parts}
+
+
+def _optimizer_ms(step: Any, events: list[Any]) -> tuple[float, list[Any]]:
+    """The ``bench::optimizer`` ranges' time (ms), and the step's other events (the marks
+    and everything inside an optimizer range left out)."""
+    opt = [(e.time_range.start, e.time_range.end) for e in events if e.name == OPTIMIZER_MARK]
+    outside = [
+        e for e in events
+        if e is not step and e.name not in (STEP_MARK, OPTIMIZER_MARK)
+        and not any(s <= e.time_range.start and e.time_range.end <= t for s, t in opt)
+    ]  # fmt: skip
+    return sum(t - s for s, t in opt) / 1e3, outside
 
 
 def steps_of(prof: Any) -> list[dict[str, float]]:
@@ -207,13 +211,11 @@ def is_kernel(name: str) -> bool:
 
 
 def kind_of(name: str) -> str | None:
-    """The kind of an event's work, or None for what is no compute (Python, dispatch)."""
-    if name in GEMM_OPS:
-        return "GEMM"
-    if name in COMM_NAMES or name.startswith(COMM_PREFIXES):
-        return "comm"
-    if not (name.startswith(("aten::", INDUCTOR_CALL)) or is_kernel(name)):
-        return None
+    """The kind of an event's work, or None for what is no compute (Python, dispatch):
+    :func:`classify`'s part, its other compute split by the names in :data:`KINDS`."""
+    part = classify(name)
+    if part != "other compute":
+        return {"GEMM": "GEMM", "exposed comm": "comm"}.get(part)
     if name.startswith(INDUCTOR_CALL):
         return "other"  # the compiled graph's own time around its kernels
     low = name.lower()
@@ -222,15 +224,10 @@ def kind_of(name: str) -> str | None:
 
 def split_kinds(step: Any, events: list[Any]) -> dict[str, float]:
     """Self time (ms) by kind of the events inside one profiled step; the optimizer's range
-    counted whole, as :func:`.breakdown.split_step` counts it."""
+    counted whole, as :func:`split_step` counts it."""
     out = dict.fromkeys(FINE, 0.0)
-    opt = [(e.time_range.start, e.time_range.end) for e in events if e.name == OPTIMIZER_MARK]
-    out["optimizer"] = sum(t - s for s, t in opt) / 1e3
-    for e in events:
-        if e is step or e.name == OPTIMIZER_MARK:
-            continue
-        if any(s <= e.time_range.start and e.time_range.end <= t for s, t in opt):
-            continue
+    out["optimizer"], outside = _optimizer_ms(step, events)
+    for e in outside:
         kind = kind_of(e.name)
         if kind is not None:
             out[kind] += e.self_cpu_time_total / 1e3
