@@ -78,7 +78,8 @@ class Attention(nn.Module):
     ``view_as``/``view``: head split and merge; ``mT``/``transpose``: the score matmul;
     ``rope_slice``/``rope_whole``: rotary on ``x[..., :HD]`` (the whole head) or on ``x``;
     ``expand``/``repeat_interleave``/``repeat_kv``: how the ``n_kv`` heads reach every
-    query head (``gqa``: sdpa's ``enable_gqa``, the unexpanded heads).
+    query head (``gqa``: sdpa's ``enable_gqa``, the unexpanded heads; ``halves``: the same
+    with rotary on each head's halves).
     """
 
     def __init__(self, how: str, n_kv: int = HEADS) -> None:
@@ -99,8 +100,8 @@ class Attention(nn.Module):
             k = torch.cat((_rotate_pairs(k[..., :ROPE]), k[..., ROPE:]), dim=-1)
         elif how == "rope_whole":
             q, k = _rotate_pairs(q), _rotate_pairs(k)
-        else:  # a single kv head may be split on its head dim: pairs stay local there
-            rotate = rotate_halves if n_kv == HEADS else _rotate_pairs
+        else:  # pairs, or the halves of each head (multi-query: of the one kv head, whole)
+            rotate = rotate_halves if n_kv == HEADS or how == "halves" else _rotate_pairs
             q, k = rotate(q), rotate(k)
         rep = HEADS // n_kv
         gqa = {}
@@ -202,6 +203,7 @@ LAYER: dict[str, Callable[[], nn.Module]] = {
     "mqa_repeat_interleave": lambda: Attention("repeat_interleave", n_kv=1),
     "mqa_repeat_kv": lambda: Attention("repeat_kv", n_kv=1),
     "mqa_gqa": lambda: Attention("gqa", n_kv=1),
+    "mqa_halves": lambda: Attention("halves", n_kv=1),
     "gqa2_repeat_kv": lambda: Attention("repeat_kv", n_kv=2),
     "gqa2_repeat_interleave": lambda: Attention("repeat_interleave", n_kv=2),
     "gqa2": lambda: Attention("gqa", n_kv=2),

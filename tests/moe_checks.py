@@ -79,18 +79,39 @@ def _step(run: Any, ids: torch.Tensor) -> tuple[torch.Tensor, int, int, dict[str
     return out.loss.detach(), experts, total, ran
 
 
-def experts_step(family: str, *, world: int, mesh: Any, lr: float = 1e-3) -> dict[str, Any]:
-    """:func:`_step` of ``family`` at tp=``world`` and on one device, compared."""
+def experts_step(
+    family: str,
+    *,
+    world: int,
+    mesh: Any,
+    lr: float = 1e-3,
+    options: dict | None = None,
+    overrides: dict | None = None,
+    compiled: bool = False,
+) -> dict[str, Any]:
+    """:func:`_step` of ``family`` at tp=``world`` and on one device, compared; ``options``
+    go to ``parallelize``, ``overrides`` to the config; ``compiled``: the step through
+    ``torch.compile(model, backend="boost", options=options)`` (Inductor). ``held``: for each expert weight, which of one device's experts
+    this rank's local tensor equals (its first dim), read off the tensors."""
     import boost_compiler
 
-    model = build(family)
+    model = build(family, **(overrides or {}))
     ref = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
-    boost_compiler.parallelize(model, mesh, (ids,), {"labels": ids, "use_cache": False})
+    boost_compiler.parallelize(
+        model, mesh, (ids,), {"labels": ids, "use_cache": False}, options=options
+    )
     plan = model.boost_plan
-    model(ids, labels=ids, use_cache=False).loss.backward()  # compiled here, not counted
+    whole = dict(ref.named_parameters())
+    held = {
+        n: [e for e, w in enumerate(whole[n]) if any(torch.equal(w, mine) for mine in p)]
+        for n, p in model.named_parameters()
+        if ".experts." in n
+    }
+    run = torch.compile(model, backend="boost", options=options) if compiled else model
+    run(ids, labels=ids, use_cache=False).loss.backward()  # compiled here, not counted
     model.zero_grad()
-    loss, experts, total, ran = _step(model, ids)
+    loss, experts, total, ran = _step(run, ids)
     loss_ref, experts_ref, total_ref, _ = _step(ref, ids)
     grad = max(
         _rel(_gather(p.grad, plan.params[n], world), q.grad)
@@ -110,6 +131,8 @@ def experts_step(family: str, *, world: int, mesh: Any, lr: float = 1e-3) -> dic
         "param": param,
         "fallbacks": list(plan.fallbacks),
         "experts": {n: str(pl) for n, pl in plan.params.items() if ".experts." in n},
+        "held": held,
+        "decisions": [d for d in plan.decisions if "expert-parallel" in d],
         "expert_flops": experts,
         "expert_flops_ref": experts_ref,
         "expert_ratio": experts / experts_ref,
@@ -128,6 +151,9 @@ def ran_in(fn: Any) -> tuple[Any, list[list[Any]]]:
     return out, _collectives(prof.events())
 
 
+INNER = 8  # the probe's expert intermediate
+
+
 class ExpertsProbe(torch.nn.Module):
     """A MoE block of the ``transformers`` kernel's form on a hidden shard, to reach both
     splits of the grouped GEMM rule (``tp/rules/experts.py``).
@@ -139,11 +165,11 @@ class ExpertsProbe(torch.nn.Module):
     hidden), the down GEMM column-parallel (the fine-grained expert as a bottleneck).
     """
 
-    D, R, E, INNER, K = 16, 8, 4, 8, 2
+    D, R, E, K = 16, 8, 4, 2
 
-    def __init__(self, routed: bool) -> None:
+    def __init__(self, routed: bool, inner: int = INNER) -> None:
         super().__init__()
-        d, e, i = self.D, self.E, self.INNER
+        d, e, i = self.D, self.E, inner
         self.emb = torch.nn.Embedding(VOCAB, d)
         self.down = torch.nn.Linear(d, self.R, bias=False)
         self.up = torch.nn.Linear(self.R, d, bias=False)
@@ -176,13 +202,13 @@ class ExpertsProbe(torch.nn.Module):
         return h + out.view(h.shape)
 
 
-def experts_probe(routed: bool, *, world: int, mesh: Any) -> dict[str, Any]:
+def experts_probe(routed: bool, *, world: int, mesh: Any, inner: int = INNER) -> dict[str, Any]:
     """:class:`ExpertsProbe` at tp=``world`` against one device: output, every gradient,
-    the experts' placements."""
+    the experts' placements, the plan's expert-parallel decisions."""
     import boost_compiler
 
     torch.manual_seed(0)
-    model = ExpertsProbe(routed)
+    model = ExpertsProbe(routed, inner)
     ref = copy.deepcopy(model)
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
     boost_compiler.parallelize(model, mesh, (ids,))
@@ -202,6 +228,7 @@ def experts_probe(routed: bool, *, world: int, mesh: Any) -> dict[str, Any]:
         "fallbacks": list(plan.fallbacks),
         "params": {n: str(pl) for n, pl in plan.params.items()},
         "ran": {"forward": forward, "backward": backward},
+        "decisions": [d for d in plan.decisions if "expert-parallel" in d],
     }
 
 

@@ -3,14 +3,15 @@
 One 2-process gloo world (:mod:`tests.gather_checks`), every rank asserted: each pattern in
 a 2-layer LM is exact at tp=2 (eager, and compiled through dynamo's graphs with the
 ``"eager"`` lowering; Inductor in the full tier), plans no fallback, and puts no more
-forward bytes per layer on the wire than the same model written the gather-free way.
+forward bytes per layer on the wire than the same model written the gather-free way. One
+4-process world for key/value heads fewer than the ranks but more than one.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.tp_harness import RTOL, result_of, run_world
+from tests.tp_harness import RTOL, ranks, result_of, run_world
 
 # pattern -> the same model written the gather-free way.
 PAIRS = {
@@ -24,6 +25,8 @@ PAIRS = {
     "mqa_expand": "mqa_gqa",
     "mqa_repeat_interleave": "mqa_gqa",
     "mqa_repeat_kv": "mqa_gqa",
+    # Rotary on the halves of the one kv head: whole on every rank from its view, no gather.
+    "mqa_halves": "mqa_gqa",
     "gqa2_repeat_kv": "gqa2",
     "moe_repeat": "moe_expand",
     "lora_merged": "lora_apart",
@@ -58,6 +61,33 @@ def test_pattern_is_exact_with_no_fallback_and_no_more_bytes(
             rank["wire_fwd"],
             rank_free["wire_fwd"],
         )
+
+
+# Two key/value heads at tp=4 (1 < n_kv < p): no rank holds a whole head, so they are
+# gathered unexpanded at their view (views._few_heads) and each rank's query head reads the
+# one it uses; the bound is the same model through sdpa's enable_gqa.
+FOUR = {"gqa2_repeat_kv": "gqa2", "gqa2_repeat_interleave": "gqa2"}
+
+
+@pytest.fixture(scope="module")
+def four() -> dict:
+    checks = [
+        (f"{n}/{how}", "tests.gather_checks:zoo", (n, lowering))
+        for n in sorted({*FOUR, *FOUR.values()})
+        for how, lowering in LOWERINGS.items()
+    ]
+    return run_world(4, checks, slow=[key for key, *_ in checks if key.endswith("/inductor")])
+
+
+@pytest.mark.parametrize("how", list(LOWERINGS))
+@pytest.mark.parametrize("name", [*FOUR, "gqa2"])
+def test_fewer_kv_heads_than_ranks(four: dict, name: str, how: str) -> None:
+    res, bound = result_of(four, f"{name}/{how}"), result_of(four, f"{FOUR.get(name, name)}/{how}")
+    for rank, rank_bound in zip(ranks(res), ranks(bound), strict=True):
+        assert rank["fallbacks"] == [], rank["fallbacks"]
+        for what in ("loss_err", "grad_err", "param_err", "out_err"):
+            assert rank[what] <= RTOL, (rank["rank"], what, rank[what])
+        assert rank["bytes_per_layer"] <= rank_bound["bytes_per_layer"]
 
 
 def test_a_computed_weight_with_a_broadcast_bias_runs_whole() -> None:

@@ -13,7 +13,10 @@ On a model that was not parallelized the pass changes nothing.
 Setting ``"replicated_head"`` (``options={"btp": "replicated_head"}`` given to
 ``parallelize``) keeps every LM head whole on each rank instead of splitting it
 on the vocabulary: the plan before the vocabulary-parallel head, kept to
-measure what that head saves.
+measure what that head saves. Setting ``"expert_parallel"`` places every MoE block's
+routed experts on ranks, ``E/p`` each, wherever the block allows it
+(``tp/rules/expert_parallel.py``); by default the planner weighs that against splitting
+each expert's intermediate.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ log = get_logger(__name__)
 
 class BottleneckTP(BoostPass):
     name = "btp"
-    allowed = ("replicated_head",)
+    allowed = ("replicated_head", "expert_parallel")
     # The rewritten graph calls into these by name: their code is part of the result.
     depends_on = (
         "boost_compiler.tp.planner",
@@ -64,6 +67,7 @@ class BottleneckTP(BoostPass):
             tp.rank,
             dict(self.ctx.fixed or {}),
             vocab_parallel=self.setting != "replicated_head",
+            expert_parallel=self.setting == "expert_parallel",
             inputs=self.ctx.inputs,
             regions=RegionPlanner(self._plan_body) if self.ctx.run_body is not None else None,
         )

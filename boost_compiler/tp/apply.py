@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from ..ir.op_table import op_kind
 from ..ir.ops import value_of
-from ..ir.subgraphs import drop_unused_bodies
+from ..ir.subgraphs import drop_unused_bodies, free_name
 from . import collectives as C
 from .copy_site import copy_site
 from .placement import P, Placement, R, S, rank_major, unblock
@@ -158,7 +158,8 @@ class Applier:
         assert s.fuse is not None and s.call is not None
         end = s.fuse.end
         with self.graph.inserting_before(end):
-            new = self.graph.create_node(s.call.op, s.call.target, s.call.args, dict(s.call.kwargs))
+            args = tuple(self._submodule(a) for a in s.call.args)
+            new = self.graph.create_node(s.call.op, s.call.target, args, dict(s.call.kwargs))
         new.meta = dict(end.meta)
         self._convert_inputs(new, s)
         end.replace_all_uses_with(new)
@@ -173,6 +174,17 @@ class Applier:
         if s.rank_varying:
             self._copy_in(new)
         self.alias[end], self.origin[new] = new, end
+
+    def _submodule(self, arg: Any) -> Any:
+        """A sub-graph argument (the stretch a call runs inside, ``rules/expert_parallel``)
+        installed on the graph's module and read by ``get_attr``; other arguments as they are."""
+        if not isinstance(arg, fx.GraphModule):
+            return arg
+        gm = self.graph.owning_module
+        assert gm is not None, "a sub-graph argument outside a GraphModule"
+        name = free_name(gm, "boost_experts")
+        gm.register_module(name, arg)
+        return self.graph.get_attr(name)
 
     # -- conversions -------------------------------------------------------
 

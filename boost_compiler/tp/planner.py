@@ -55,8 +55,9 @@ class PlanRequest:
     factors their roles; the plan is for ``rank`` of the ``p``-way group named ``group``.
     ``fixed`` holds parameter placements decided earlier (the model's shards exist); the
     others are decided by the plan (``result.params``). ``vocab_parallel`` splits LM heads
-    on the vocabulary (option ``btp``'s ``"replicated_head"`` turns it off). ``inputs``: the
-    graph is a region's body, its non-parameter inputs so placed; ``regions`` plans the
+    on the vocabulary (option ``btp``'s ``"replicated_head"`` turns it off);
+    ``expert_parallel`` puts MoE experts on ranks wherever it can (its ``"expert_parallel"``).
+    ``inputs``: the graph is a region's body, its non-parameter inputs so placed; ``regions`` plans the
     region calls it makes (without one, a call reads its operands whole: exact, listed as
     a fallback).
     """
@@ -68,6 +69,7 @@ class PlanRequest:
     rank: int
     fixed: dict[str, Placement] = field(default_factory=dict)
     vocab_parallel: bool = True
+    expert_parallel: bool = False
     inputs: dict[str, Placement] | None = None
     regions: RegionPlanner | None = None
 
@@ -88,6 +90,7 @@ class Walk:
         self._param_names, self._role = request.param_names, request.roles()
         self.p, self.group, self.rank = request.p, request.group, request.rank
         self.vocab_parallel = request.vocab_parallel
+        self.expert_parallel = request.expert_parallel
         self.fixed = dict(request.fixed)
         self.cost_model = cost_model
         # A region's body: its inputs' placements (by placeholder name); its outputs keep
@@ -265,6 +268,8 @@ class Walk:
 
     def _readers_cost(self, node: fx.Node, s: Strategy) -> Cost:
         """What reading ``node``'s value costs its readers at their cheapest, given ``s``."""
+        if s.fuse is not None:  # the chain is replaced: its end's readers read the call
+            node = s.fuse.end
         before = self.env.get(node)
         self.env[node] = s.then.to if s.then is not None else s.out
         try:

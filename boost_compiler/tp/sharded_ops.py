@@ -301,3 +301,41 @@ def vocab_shard_embedding(
     outside = (local < 0) | (local >= weight.shape[0])
     rows = F.embedding(local.masked_fill(outside, 0), weight, padding_idx)
     return rows.masked_fill(outside.unsqueeze(-1), 0)
+
+
+def expert_parallel_ffn(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    offs: torch.Tensor,
+    ffn: torch.nn.Module,
+    first: int,
+) -> torch.Tensor:
+    """This rank's experts ``first .. first + E/p`` of a MoE block (``rules/expert_parallel``):
+    their rows as one device computes them, zeros elsewhere (summed over ranks: the block).
+
+    ``x`` holds every routed row, sorted by expert; ``offs`` each expert's end row. The
+    rank's experts own rows ``[start, end)``. The rows are rolled so that range comes first,
+    the grouped GEMMs ``ffn`` run on the local weights with the local ends (rows past them
+    are skipped, and ``torch._grouped_mm`` leaves them unwritten), and the rows are rolled
+    back. Masking before and after the GEMMs keeps what the kernel leaves unwritten out of
+    the value and out of ``x``'s gradient; the gate between the GEMMs is row-wise, so it
+    never mixes an unwritten row into a written one. Fixed shapes, no host sync.
+    """
+    n, local = x.shape[0], w_up.shape[0]
+    ends = offs[first : first + local]
+    start = offs[first - 1] if first else torch.zeros((), dtype=offs.dtype, device=offs.device)
+    rows = torch.arange(n, device=x.device)
+    mine = (rows < ends[-1] - start).unsqueeze(-1)
+    y = ffn(torch.where(mine, x[(rows + start) % n], 0), w_up, w_down, ends - start)
+    return torch.where(mine, y, 0)[(rows - start) % n]
+
+
+def one_kv_head_attention(head: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    """``F.scaled_dot_product_attention`` of this rank's query heads with the one key/value
+    head they share (``head``), from every key/value head held whole (``rules/matrix``):
+    grouped-query attention with fewer key/value heads than ranks. The heads ``enable_gqa``
+    would pair them with, so the same values."""
+    k, v = k.narrow(1, head, 1), v.narrow(1, head, 1)
+    return F.scaled_dot_product_attention(q, k, v, *args, **kwargs)

@@ -209,6 +209,7 @@ class RuleContext(Protocol):
     rank: int
     group: str  # the process group's name (written into the collectives)
     vocab_parallel: bool  # LM heads may be split on the vocabulary
+    expert_parallel: bool  # MoE experts go on ranks wherever they can (rules/expert_parallel)
 
     def placement(self, arg: Any) -> Placement:
         """The input's placement; an open parameter reads as ``R`` (what it is, whole)."""

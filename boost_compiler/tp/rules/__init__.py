@@ -12,6 +12,7 @@ from __future__ import annotations
 from . import (
     boundary,
     core,
+    expert_parallel,
     experts,
     matrix,
     partial,
@@ -33,6 +34,7 @@ _ALL = (
     reductions,
     vocab,
     boundary,
+    expert_parallel,
     experts,
     partial,
 )

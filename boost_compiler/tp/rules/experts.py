@@ -29,11 +29,12 @@ import torch.nn.functional as F
 from ...errors import ExpertAlignmentError
 from ...ir.op_table import add_library_op, add_spelling, op_kind
 from ...ir.ops import is_elementwise_on_last_dim, shape_of, value_of
+from .. import plan_cost as cost
 from ..placement import P, Placement, R, S
 from ..strategy import RuleContext, Strategy, Then, fallback, replicated
+from .expert_parallel import ep_strategy, expert_weight, intermediate, operands
 from .matrix import fused_blocks
 from .registry import rule
-from .views import swaps_matrices
 
 KIND = "grouped_mm"
 add_spelling(KIND, *(f for f in (getattr(torch, "_grouped_mm", None),
@@ -50,34 +51,10 @@ _TORCH_KERNELS = tuple(f for f in (getattr(torch, "_grouped_mm", None),
 _ALIGN_BYTES = 16
 
 
-def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
-    """``(x, w, offs)`` of a 2-D by 3-D grouped GEMM without bias; None for any other form."""
-    args, kw = node.args, node.kwargs
-    x = args[0] if args else kw.get("input", kw.get("mat_a"))
-    w = args[1] if len(args) > 1 else kw.get("weight", kw.get("mat_b"))
-    offs = args[2] if len(args) > 2 else kw.get("offs")
-    bias = args[3] if len(args) > 3 else kw.get("bias")
-    if not all(isinstance(a, fx.Node) for a in (x, w, offs)) or bias is not None:
-        return None
-    xs, ws = shape_of(x), shape_of(w)
-    if xs is None or ws is None or len(xs) != 2 or len(ws) != 3:
-        return None
-    return x, w, offs
-
-
-def _expert_weight(ctx: RuleContext, w: fx.Node) -> tuple[fx.Node, bool] | None:
-    """The parameter ``w`` reads, and whether through ``transpose(-2, -1)``; None otherwise."""
-    if ctx.is_param(w):
-        return w, False
-    if swaps_matrices(w) and ctx.is_param(w.args[0]):
-        return w.args[0], True
-    return None
-
-
 # always: the GEMM places its expert weights, whose inputs are replicated at first.
 @rule(KIND, always=True, reads_blocks=True)
 def grouped_mm(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
-    ops = _operands(node)
+    ops = operands(node)
     if ops is None:
         return _whole(ctx, node)
     x, w, offs = ops
@@ -85,15 +62,19 @@ def grouped_mm(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
         return Strategy(out=R, whole=True)  # a pending sum, summed first
     if ctx.placement(offs) != R or ctx.placement(x).blocks:
         return fallback()
-    found = _expert_weight(ctx, w)
+    found = expert_weight(ctx, w)
     x_pl = ctx.placement(x)
     if found is not None and ctx.is_open(found[0]):
         if x_pl in (R, _ROW) and _down_factor(node):  # BTP: the rank carries the sum
             return _narrow_row_parallel(ctx, node, x, found)
         if x_pl == _ROW:  # a hidden shard dispatched: the expert is a bottleneck
             return _row_parallel(ctx, node, x, w, found)
-        return _column_parallel(ctx, node, x, w, found) if x_pl == R else fallback()
+        return _split_or_experts(ctx, node, x, w, found) if x_pl == R else fallback()
     w_pl = ctx.placement(w)
+    if w_pl == S(0) and x_pl == R:  # planned expert-parallel (a second walk, a forced plan)
+        ep = ep_strategy(ctx, node, "as planned")
+        if ep is not None:
+            return ep
     if w_pl == S(1) or (w_pl == R and x_pl == _ROW):  # a whole weight: this rank's K rows
         return _row_parallel(ctx, node, x, w, found)
     if w_pl.is_shard and w_pl.dim == _COL:
@@ -125,6 +106,31 @@ def _row_parallel(
     return [reduced, scattered, pending]
 
 
+def _split_or_experts(
+    ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, found: tuple[fx.Node, bool]
+) -> Strategy | list[Strategy]:
+    """An up GEMM on the gathered rows: its column-parallel split (the intermediate split of
+    both GEMMs), or the experts on ranks (``expert_parallel.py``) where that split cannot
+    run split or is asked not to. Not weighed where it can: the bytes are equal."""
+    if ctx.expert_parallel and (ep := ep_strategy(ctx, node, "the btp setting")):
+        return ep
+    inner = intermediate(ctx, node)
+    if inner is not None and inner % ctx.p:
+        why = f"tp={ctx.p} does not divide their intermediate {inner}; weighed against whole"
+        if (ep := ep_strategy(ctx, node, why)) is not None:
+            # whole: the weight sits behind its transpose, where the planner's price of a
+            # weight held whole does not see it
+            whole = Strategy(out=R, whole=True, cost=cost.held(value_of(found[0]), ctx.p))
+            return [whole, ep]
+    try:
+        return _column_parallel(ctx, node, x, w, found)
+    except ExpertAlignmentError:
+        ep = ep_strategy(ctx, node, "their intermediate split breaks the kernel's alignment")
+        if ep is None:
+            raise
+        return ep
+
+
 def _column_parallel(
     ctx: RuleContext, node: fx.Node, x: fx.Node, w: fx.Node, found: tuple[fx.Node, bool] | None
 ) -> Strategy:
@@ -150,7 +156,7 @@ def _take(
     """Read the GEMM ``node``'s weight operand as ``want``; fix its open parameter so
     (through the transpose: ``K``/``N`` swap). A whole weight is sliced on a plain split
     (exact, its gradient gathered back); False for anything else."""
-    w = _operands(node)[1]  # type: ignore[index]
+    w = operands(node)[1]  # type: ignore[index]
     if want.dim is not None and want.dim > 0:
         _check_aligned(ctx, node, w, want.dim)
     if found is not None and ctx.is_open(found[0]):
@@ -178,7 +184,7 @@ def _down_factor(node: fx.Node) -> bool:
     (through ops element-wise on the last dim) as the input of a grouped GEMM that widens
     it again. ``to_low_rank(experts=True)``'s experts; dense experts never qualify (their
     gate/up output is chunked before the down GEMM reads it)."""
-    ops = _operands(node)
+    ops = operands(node)
     assert ops is not None
     k, n = shape_of(ops[0])[1], shape_of(node)[1]
     if not (isinstance(k, int) and isinstance(n, int)) or n >= k:
@@ -190,7 +196,7 @@ def _down_factor(node: fx.Node) -> bool:
             if user in seen:
                 continue
             seen.add(user)
-            up = _operands(user) if op_kind(user) == KIND else None
+            up = operands(user) if op_kind(user) == KIND else None
             if up is not None and up[0] is cur:
                 return shape_of(user)[1] > n
             if is_elementwise_on_last_dim(user):

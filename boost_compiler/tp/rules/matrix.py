@@ -31,6 +31,7 @@ from ...ir.ops import (
     shape_of,
     weight_parameter,
 )
+from .. import sharded_ops as tp_ops
 from ..placement import P, Placement, R, S
 from ..strategy import Call, RuleContext, Strategy, Then, fallback
 from .core import aligned, requires_grad, tensor_inputs
@@ -246,6 +247,21 @@ def _last_dim_readers(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+def _few_kv_heads(ctx: RuleContext, node: fx.Node, pls: dict, k: int) -> int:
+    """The key/value heads of a grouped-query ``sdpa`` (``enable_gqa``) with fewer of them
+    than ranks, replicated (``views._few_heads``), whose queries are split on their heads:
+    each rank's query heads then all read one key/value head. 0 for any other attention."""
+    if op_kind(node) != "sdpa" or not node.kwargs.get("enable_gqa") or len(node.args) < 3:
+        return 0
+    q, key, value = node.args[:3]
+    if pls.get(key) != R or pls.get(value) != R or pls.get(q) != S(k) or k != 1:
+        return 0
+    heads, kv = shape_of(q)[1], shape_of(key)[1]
+    if not (isinstance(heads, int) and isinstance(kv, int)) or kv >= ctx.p:
+        return 0
+    return kv if heads % ctx.p == 0 and ctx.p % kv == 0 and heads % kv == 0 else 0
+
+
 @rule("matmul", "sdpa")
 @rule("bmm", "baddbmm", reads_blocks=True)
 def same_shard(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
@@ -287,8 +303,14 @@ def same_shard(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
     if k >= nd - 2:  # the attention's own seq/feature dims must stay whole
         return fallback()
     s = Strategy(out=S(k, blk))
+    kv = _few_kv_heads(ctx, node, pls, k)
+    if kv:  # each rank's query heads share one key/value head: that one, sliced locally
+        s.call = Call(tp_ops.one_kv_head_attention, (ctx.rank * kv // ctx.p, *node.args),
+                      dict(node.kwargs))  # fmt: skip
     why = "to the queries' heads"
     for a in tensors:
+        if kv and a in node.args[1:3]:
+            continue
         if pls[a] == R:
             sh = shape_of(a)
             j = k - (nd - len(sh))

@@ -66,6 +66,11 @@ def view(ctx: RuleContext, node: fx.Node) -> Strategy:
         return fallback()
     if out is None:
         k, divisor = moved
+        if _few_heads(src, dst, pl.dim, k, ctx.p):
+            return Strategy(
+                out=R, whole=True,
+                label=f"{divisor} key/value heads, fewer than the ranks: whole on every rank",
+            )  # fmt: skip
         if divisor % ctx.p:
             raise ShardingError(
                 f"{describe(node)}: dimension {k} of size {divisor} (heads or hidden) is not "
@@ -118,6 +123,18 @@ def _single_head(src: tuple, dst: tuple, dim: int, k: int) -> bool:
     return (
         len(dst) >= 2 and dim == len(src) - 1 and k == len(dst) - 1
         and dst[-2] == 1 and src[-1] == dst[-1]
+    )  # fmt: skip
+
+
+def _few_heads(src: tuple, dst: tuple, dim: int, k: int, p: int) -> bool:
+    """A feature shard viewed as fewer heads than ranks, ``[b, s, n hd] -> [b, s, n, hd]``
+    with ``1 < n < p`` (grouped-query attention's keys or values at a larger tensor-parallel
+    degree): no rank can hold a whole head, so they are gathered here, unexpanded, as
+    Megatron replicates such key/value heads; the query heads stay split and each rank reads
+    the key/value heads its own query heads use."""
+    return (
+        dim == len(src) - 1 and k == len(dst) - 2 and len(dst) >= 2
+        and isinstance(dst[-2], int) and 1 < dst[-2] < p and dst[-2] * dst[-1] == src[-1]
     )  # fmt: skip
 
 

@@ -1,0 +1,172 @@
+"""Expert parallelism: a MoE block's routed experts placed whole on ranks, ``E/p`` each.
+
+The stretch ``grouped_mm(x, w_up, offs) -> row-wise gate -> grouped_mm(h, w_down, offs)``
+(``transformers``' experts) becomes one call, :func:`tp_ops.expert_parallel_ffn`, on the
+rank's experts only: both weights split on ``E`` (``S(0)``), ``x`` read whole, the output
+a partial sum (``P``). Invariant: exact. Inside a tensor-parallel group every rank holds the
+same routed rows, sorted by expert, so rank ``i``'s experts own one contiguous row range;
+the rank computes those rows as one device does and leaves zeros elsewhere, so summing over
+the ranks gives every row once. No token moves: where torchtitan's expert parallelism
+dispatches with ``all_to_all`` between ranks holding different tokens, these ranks hold the
+same ones. The gate between the GEMMs must be row-wise (each output row reads only the same
+row, constants otherwise) and read by nothing else: checked on the dataflow, anything else
+keeps the split of ``experts.py``.
+
+Why not always: the bytes are the intermediate split's (``x`` whole in, its gradient summed
+by ``f``; a ``[S, H]`` partial out, the same pending sum), and that split gives every rank
+the same work, where here a rank's work is the rows routed to its experts. So the split
+is kept where it runs; this is taken where ``p`` does not divide the intermediate ``I`` (the
+planner weighs it against running the experts whole: their weights held whole on every rank
+price that out), where the split breaks ``torch._grouped_mm``'s alignment, or everywhere
+under the ``btp`` pass's setting ``"expert_parallel"``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ...ir.op_table import op_kind
+from ...ir.ops import is_elementwise_on_last_dim, shape_of
+from .. import sharded_ops as tp_ops
+from ..placement import P, R, S
+from ..strategy import Call, Fuse, RuleContext, Strategy
+from .core import describe
+from .views import swaps_matrices
+
+_SPLITS = ("chunk", "split")
+
+
+def ep_strategy(ctx: RuleContext, up: fx.Node, why: str) -> Strategy | None:
+    """The expert-parallel strategy of the up GEMM ``up`` and the stretch it starts, or None
+    where the stretch is not an up GEMM, a row-wise gate and a down GEMM on the same rows."""
+    found = _stretch(ctx, up)
+    if found is None:
+        return None
+    x, offs, (pu, su), (pd, sd), chain, down = found
+    experts = shape_of(pu)[0]
+    if not isinstance(experts, int) or experts % ctx.p or shape_of(pd)[0] != experts:
+        return None
+    for prm in (pu, pd):
+        if not (ctx.is_open(prm) or ctx.placement(prm) == S(0)):
+            return None
+    local = experts // ctx.p
+    ffn = _ffn_module(up, chain, down, (pu, su), (pd, sd), x, offs)
+    s = Strategy(out=P, label="expert parallel").read(x, R).read(offs, R)
+    for prm in (pu, pd):
+        s.read(prm, S(0))
+        if ctx.is_open(prm):
+            s.fix[prm] = S(0)
+    s.call = Call(tp_ops.expert_parallel_ffn, (x, pu, pd, offs, ffn, ctx.rank * local))
+    dead = tuple(w for w, swapped in ((up.args[1], su), (down.args[1], sd)) if swapped)
+    s.fuse = Fuse(down, (up, *chain, down), dead)
+    s.note = (
+        f"{describe(up)}: experts {ctx.param_name(pu)!r} and {ctx.param_name(pd)!r} "
+        f"expert-parallel, {local} of {experts} per rank ({why})"
+    )
+    return s
+
+
+def intermediate(ctx: RuleContext, up: fx.Node) -> int | None:
+    """The width the down GEMM of ``up``'s stretch contracts (the experts' ``I``), or None."""
+    found = _stretch(ctx, up)
+    return None if found is None else shape_of(operands(found[-1])[0])[1]  # type: ignore[index]
+
+
+def operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """``(x, w, offs)`` of a 2-D by 3-D grouped GEMM without bias; None for any other form."""
+    args, kw = node.args, node.kwargs
+    x = args[0] if args else kw.get("input", kw.get("mat_a"))
+    w = args[1] if len(args) > 1 else kw.get("weight", kw.get("mat_b"))
+    offs = args[2] if len(args) > 2 else kw.get("offs")
+    bias = args[3] if len(args) > 3 else kw.get("bias")
+    if not all(isinstance(a, fx.Node) for a in (x, w, offs)) or bias is not None:
+        return None
+    xs, ws = shape_of(x), shape_of(w)
+    if xs is None or ws is None or len(xs) != 2 or len(ws) != 3:
+        return None
+    return x, w, offs
+
+
+def expert_weight(ctx: RuleContext, w: fx.Node) -> tuple[fx.Node, bool] | None:
+    """The parameter ``w`` reads, and whether through ``transpose(-2, -1)``; None otherwise."""
+    if ctx.is_param(w):
+        return w, False
+    if swaps_matrices(w) and ctx.is_param(w.args[0]):
+        return w.args[0], True
+    return None
+
+
+def _stretch(ctx: RuleContext, up: fx.Node) -> tuple | None:
+    """``(x, offs, (w_up, swapped), (w_down, swapped), gate chain, down)`` or None."""
+    ops = operands(up)
+    if ops is None:
+        return None
+    x, w, offs = ops
+    wu = expert_weight(ctx, w)
+    chain: list[fx.Node] = []  # every node the up GEMM's value reaches before the down
+    downs, frontier = set(), [up]
+    while frontier:
+        for user in frontier.pop().users:
+            if op_kind(user) == op_kind(up):
+                downs.add(user)
+            elif not _row_wise(user):
+                return None  # the up GEMM's value reaches something other than a gate
+            elif user not in chain:
+                chain.append(user)
+                frontier.append(user)
+    inside = {up, *chain}
+    if len(downs) != 1 or wu is None:
+        return None
+    down = downs.pop()
+    read = operands(down)
+    if read is None or read[0] not in inside or read[2] is not offs:
+        return None
+    for node in chain:
+        if not set(node.all_input_nodes) <= inside:
+            return None
+        if any(u not in inside and u is not down for u in node.users):
+            return None
+    wd = expert_weight(ctx, read[1])
+    if wd is None or wd[0] is wu[0]:
+        return None
+    order = {n: i for i, n in enumerate(up.graph.nodes)}
+    return x, offs, wu, wd, sorted(chain, key=order.__getitem__), down
+
+
+def _row_wise(node: fx.Node) -> bool:
+    """Each output row of ``node`` reads only the same row of its inputs (2-D rows)."""
+    src = node.args[0] if node.args else None
+    if not isinstance(src, fx.Node):
+        return False
+    if node.op == "call_function" and node.target is operator.getitem:
+        return op_kind(src) in _SPLITS and isinstance(node.args[1], int)
+    if op_kind(node) in _SPLITS:
+        shape = shape_of(src)
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
+        return bool(shape) and isinstance(dim, int) and dim % len(shape) == len(shape) - 1
+    return is_elementwise_on_last_dim(node) and len(shape_of(node) or ()) == 2
+
+
+def _ffn_module(
+    up: fx.Node,
+    chain: list[fx.Node],
+    down: fx.Node,
+    wu: tuple[fx.Node, bool],
+    wd: tuple[fx.Node, bool],
+    x: fx.Node,
+    offs: fx.Node,
+) -> fx.GraphModule:
+    """The stretch as its own graph ``(x, w_up, w_down, offs) -> y``: the same ops."""
+    graph = fx.Graph()
+    env = {x: graph.placeholder("x"), wu[0]: graph.placeholder("w_up"),
+           wd[0]: graph.placeholder("w_down"), offs: graph.placeholder("offs")}  # fmt: skip
+    for gemm, (_, swapped) in ((up, wu), (down, wd)):
+        if swapped:
+            env[gemm.args[1]] = graph.node_copy(gemm.args[1], env.__getitem__)
+    for node in (up, *chain, down):
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[down])
+    return fx.GraphModule(torch.nn.Module(), graph)
