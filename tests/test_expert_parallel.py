@@ -103,3 +103,44 @@ def test_a_saved_expert_parallel_plan_is_forced_as_saved(tmp_path) -> None:
     for m in (model, again):
         assert str(m.boost_plan.params["up"]) == str(m.boost_plan.params["down"]) == "S(0)"
         assert m.boost_plan.fallbacks == [] and [p.shape[0] for p in m.parameters()] == [2, 2]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_ranks_parts_add_up_to_the_block(dtype: str) -> None:
+    """:func:`expert_parallel_ffn` on one process, with ``torch._grouped_mm`` (which leaves
+    the rows past the last end unwritten): over the ranks' experts, the parts sum to the
+    block and their gradients to its gradients, an expert with no rows included."""
+    import torch
+    import torch.nn.functional as F
+
+    from boost_compiler.tp.sharded_ops import expert_parallel_ffn
+
+    dt, g = getattr(torch, dtype), torch.Generator().manual_seed(0)
+    rows, hidden, inner, p = 24, 16, 8, 2
+    offs = torch.tensor([5, 5, 14, 24], dtype=torch.int32)  # expert 1 gets no row
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dt).requires_grad_()
+
+    x, w_up, w_down = leaf(rows, hidden), leaf(E, hidden, 2 * inner), leaf(E, inner, hidden)
+
+    def ffn(x, w_up, w_down, offs):  # noqa: ANN001, ANN202 (a graph's signature)
+        gate, up = torch._grouped_mm(x, w_up, offs=offs).chunk(2, -1)
+        return torch._grouped_mm(F.silu(gate) * up, w_down, offs=offs)
+
+    seed = torch.randn(rows, hidden, generator=g).to(dt)
+    (ffn(x, w_up, w_down, offs) * seed).sum().backward()
+    want = [t.grad.clone() for t in (x, w_up, w_down)]
+    full = ffn(x, w_up, w_down, offs).detach()
+    for t in (x, w_up, w_down):
+        t.grad = None
+    local = E // p
+    parts = [
+        expert_parallel_ffn(x, w_up[r * local : (r + 1) * local],
+                            w_down[r * local : (r + 1) * local], offs, ffn, r * local)
+        for r in range(p)
+    ]  # fmt: skip
+    (sum(parts) * seed).sum().backward()
+    torch.testing.assert_close(sum(parts).detach(), full)
+    for got, exp in zip((x.grad, w_up.grad, w_down.grad), want, strict=True):
+        torch.testing.assert_close(got, exp)
