@@ -105,11 +105,12 @@ def test_a_saved_expert_parallel_plan_is_forced_as_saved(tmp_path) -> None:
         assert m.boost_plan.fallbacks == [] and [p.shape[0] for p in m.parameters()] == [2, 2]
 
 
+@pytest.mark.parametrize("ends", [(5, 5, 14, 24), (0, 0, 9, 24), (7, 24, 24, 24)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_ranks_parts_add_up_to_the_block(dtype: str) -> None:
+def test_the_ranks_parts_add_up_to_the_block(dtype: str, ends: tuple[int, ...]) -> None:
     """:func:`expert_parallel_ffn` on one process, with ``torch._grouped_mm`` (which leaves
     the rows past the last end unwritten): over the ranks' experts, the parts sum to the
-    block and their gradients to its gradients, an expert with no rows included."""
+    block and their gradients to its gradients; an expert with no rows, a rank with none."""
     import torch
     import torch.nn.functional as F
 
@@ -117,7 +118,7 @@ def test_the_ranks_parts_add_up_to_the_block(dtype: str) -> None:
 
     dt, g = getattr(torch, dtype), torch.Generator().manual_seed(0)
     rows, hidden, inner, p = 24, 16, 8, 2
-    offs = torch.tensor([5, 5, 14, 24], dtype=torch.int32)  # expert 1 gets no row
+    offs = torch.tensor(ends, dtype=torch.int32)
 
     def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(dt).requires_grad_()
