@@ -153,3 +153,27 @@ def test_complex_rotary_per_block_lowers_with_inductor() -> None:
     assert True in seen, "no region body was seen computing on complex tensors"
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     assert not _holds_complex(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)))
+
+
+def test_dense_experts_go_on_ranks() -> None:
+    """Dense experts (3-D weights read by ``bmm``, no bottleneck role) were held whole on
+    every rank; the planner now weighs holding them against ``f`` on their input and puts
+    ``E/p`` on each rank (``rules/expert_parallel.stacked_experts``; the numbers are
+    ``test_pattern_is_exact_...[moe_repeat-*]``'s)."""
+    import torch
+    import torch.distributed as dist
+
+    import boost_compiler
+    from boost_compiler.tp.collectives import fake_process_group
+    from tests import gather_checks as G
+
+    with fake_process_group(2):
+        model = G.TinyLM([G.LAYER["moe_repeat"]() for _ in range(G.LAYERS)])
+        boost_compiler.parallelize(model, dist.group.WORLD, (torch.randint(0, 64, (2, 8)),))
+        plan = model.boost_plan
+    experts = {n: str(pl) for n, pl in plan.params.items() if n.endswith(("w_in", "w_out"))}
+    assert set(experts.values()) == {"S(0)"} and len(experts) == 2 * G.LAYERS, experts
+    for name, prm in model.named_parameters():
+        if name in experts:
+            assert prm.shape[0] == G.EXPERTS // 2, (name, prm.shape)
+    assert any("experts on ranks" in d for d in plan.decisions), plan.decisions

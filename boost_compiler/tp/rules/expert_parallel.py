@@ -24,6 +24,7 @@ under the ``btp`` pass's setting ``"expert_parallel"``.
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -32,8 +33,9 @@ from ...ir.op_table import op_kind
 from ...ir.ops import is_elementwise_on_last_dim, shape_of
 from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
-from ..strategy import Call, Fuse, RuleContext, Strategy
+from ..strategy import Call, Fuse, RuleContext, Strategy, replicated
 from .core import describe
+from .registry import rule
 from .views import swaps_matrices
 
 _SPLITS = ("chunk", "split")
@@ -67,6 +69,30 @@ def ep_strategy(ctx: RuleContext, up: fx.Node, why: str) -> Strategy | None:
         f"expert-parallel, {local} of {experts} per rank ({why})"
     )
     return s
+
+
+def _stacked_experts(ctx: RuleContext, node: fx.Node) -> bool:
+    """``bmm(x, w)``: a whole ``x`` [E, n, k] times an open stack of expert weights ``w``
+    [E, k, m] that ``p`` divides (dense experts: every token through every expert)."""
+    x, w = (node.args + (None, None))[:2]
+    shape = shape_of(w) if isinstance(w, fx.Node) else None
+    return (
+        ctx.is_open(w) and ctx.peek(x) == R and shape is not None and len(shape) == 3
+        and isinstance(shape[0], int) and shape[0] % ctx.p == 0
+    )  # fmt: skip
+
+
+@rule("bmm", guard=_stacked_experts, always=True)
+def stacked_experts(ctx: RuleContext, node: fx.Node) -> list[Strategy]:
+    """Dense experts: each rank its ``E/p`` experts on every token (``x`` and ``w`` on their
+    batch dim), or all of them whole, as the planner weighs (the weights held whole on every
+    rank against ``f`` on ``x``). Exact: the experts are independent along the batch dim;
+    the next ``bmm`` takes its stack on the same dim (``matrix.same_shard``), and their
+    combine over the experts is a sum over the split dim."""
+    x, w = node.args[:2]
+    split = Strategy(out=S(0), label="experts on ranks").read(x, S(0)).read(w, S(0))
+    split.fix[w] = S(0)
+    return [replace(replicated(), label="experts whole"), split]
 
 
 def intermediate(ctx: RuleContext, up: fx.Node) -> int | None:

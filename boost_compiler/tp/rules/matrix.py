@@ -316,6 +316,8 @@ def same_shard(ctx: RuleContext, node: fx.Node) -> Strategy | list[Strategy]:
             j = k - (nd - len(sh))
             if j >= 0 and sh[j] != 1:
                 s.read(a, S(j, blk), why if a in regathered else "")
+                if ctx.is_open(a) and not blk:  # a stack of weights: each rank its slice
+                    s.fix[a] = S(j)
             elif a in regathered:
                 s.read(a, R, why)
     return s
