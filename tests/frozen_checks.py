@@ -83,14 +83,33 @@ class Block(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
-class LoRALlama(nn.Module):
-    """A small Llama whose pretrained weights are all frozen; only the LoRA factors train."""
+class FusedBlock(Block):
+    """:class:`Block` with q, k and v as one frozen fused projection (GPT-2's ``c_attn``,
+    Phi-3's ``qkv_proj``) and its LoRA update, split into the three after the sum."""
 
     def __init__(self) -> None:
         super().__init__()
+        del self.q, self.k, self.v
+        self.qkv = LoRALinear(D, 3 * D, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, HEADS, HD).transpose(1, 2)
+                   for t in self.qkv(self.attn_norm(x)).split(D, dim=-1))  # fmt: skip
+        y = F.scaled_dot_product_attention(rotate_halves(q), rotate_halves(k), v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, s, D))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class LoRALlama(nn.Module):
+    """A small Llama whose pretrained weights are all frozen; only the LoRA factors train."""
+
+    def __init__(self, block: type[nn.Module] = Block) -> None:
+        super().__init__()
         self.emb = nn.Embedding(V, D)
         self.emb.weight.requires_grad_(False)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(block() for _ in range(LAYERS))
         self.norm = RMSNorm()
         self.head = nn.Linear(D, V, bias=False)
         self.head.weight.requires_grad_(False)
@@ -137,7 +156,7 @@ def _hf_llama() -> nn.Module:
     return model.train()
 
 
-MAKERS = {"loralib": LoRALlama, "peft_hf": _hf_llama}
+MAKERS = {"loralib": LoRALlama, "peft_hf": _hf_llama, "fused_qkv": lambda: LoRALlama(FusedBlock)}
 
 
 def build(maker: str = "loralib", seed: int = 0) -> tuple[nn.Module, torch.Tensor]:

@@ -27,6 +27,8 @@ CHECKS = {
     "inductor": ("inductor", False),
     # HF's Llama with PEFT-style LoRA modules; lr 1e-3 as tests.tp_harness.compare_training_hf
     "peft_hf": (None, False, "peft_hf", 1e-3),
+    # q/k/v as one frozen fused projection with its LoRA update: split per piece
+    "fused_qkv": (None, False, "fused_qkv"),
 }
 SLOW = ["peft_hf", "inductor"]
 
@@ -37,7 +39,7 @@ def two() -> dict:
     return run_world(2, checks, slow=SLOW)
 
 
-@pytest.mark.parametrize("how", ["eager", "compiled", "inductor", "peft_hf"])
+@pytest.mark.parametrize("how", ["eager", "compiled", "inductor", "peft_hf", "fused_qkv"])
 def test_lora_on_frozen_llama_is_exact_with_frozen_weights_split(two: dict, how: str) -> None:
     res = result_of(two, how)
     assert res["fallbacks"] == [], res["fallbacks"]
@@ -90,3 +92,26 @@ def test_the_planner_weighs_a_frozen_weights_memory(n: int, split: bool) -> None
     [choice] = [c for c in plan.choices if "whole" in c.seconds]
     assert (choice.chosen != "whole") == split, str(choice)
     assert plan.fallbacks == []
+
+
+def test_a_fused_frozen_base_is_split_per_piece_and_a_saved_plan_keeps_it(tmp_path) -> None:
+    """q/k/v as one frozen projection plus its LoRA update, summed before the split: the base
+    and ``lora_B`` split per piece (each rank its slice of q, of k and of v), no fallback; a
+    plan saved so is forced as saved (plan_fit admits blocks on a frozen weight)."""
+    import torch.distributed as dist
+
+    from tests.frozen_checks import build
+
+    with fake_process_group(2):
+        model, ids = build("fused_qkv")
+        boost_compiler.parallelize(model, dist.group.WORLD, (ids,), {"labels": ids})
+        path = model.boost_plan.save(tmp_path / "plan.json")
+        again, _ = build("fused_qkv")
+        boost_compiler.parallelize(again, dist.group.WORLD, (ids,), {"labels": ids}, plan=path)
+    for m in (model, again):
+        plan = m.boost_plan
+        assert plan.fallbacks == [], plan.fallbacks
+        for layer in range(2):
+            for name in ("qkv.weight", "qkv.bias", "qkv.lora_B"):
+                got = str(plan.params[f"blocks.{layer}.{name}"])
+                assert got == "S(0, blocks=[256, 256, 256])", (name, got)

@@ -208,7 +208,8 @@ def _decide(
         why = differ
     decided.route = f"per-block ({len(kept)} blocks)" if kept else f"whole model: {why}"
     if forced is not None:
-        check_blocks_fit(decided)
+        frozen = {n for n, prm in model.named_parameters() if not prm.requires_grad}
+        check_blocks_fit(decided, frozen)
     return decided, kept
 
 

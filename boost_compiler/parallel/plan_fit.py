@@ -11,7 +11,7 @@ as a fallback (``tests/test_plan_forced.py`` trains random edits against one dev
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ..errors import PlanMismatchError
 from ..tp.placement import P, Placement
@@ -63,19 +63,22 @@ def _placement_problems(
     return []
 
 
-def check_blocks_fit(plan: TPPlan) -> None:
-    """A forced blocked split must be on a bottleneck's up factor (run after planning).
+def check_blocks_fit(plan: TPPlan, frozen: Collection[str] = ()) -> None:
+    """A forced blocked split must be on a bottleneck's up factor or a ``frozen`` weight
+    (run after planning).
 
-    Only the up factor's contraction reads a weight block by block (a fused q/k/v's
-    pieces, each split over the ranks); any other op would pair a blocked shard with a
-    contiguous one. Refused by name before the parameters are sharded.
+    Only their contractions read a weight block by block (a fused q/k/v's pieces, each
+    split over the ranks: ``rules/matrix._frozen`` for a frozen LoRA base); any other op
+    would pair a blocked shard with a contiguous one. Refused by name before the
+    parameters are sharded.
     """
     ups = {b.up for b in plan.bottlenecks} | {b.up_bias for b in plan.bottlenecks if b.up_bias}
-    bad = [f"{n!r}: {pl}" for n, pl in plan.params.items() if pl.blocks and n not in ups]
+    ok = ups | set(frozen)
+    bad = [f"{n!r}: {pl}" for n, pl in plan.params.items() if pl.blocks and n not in ok]
     if bad:
         raise PlanMismatchError(
             f"the plan{f' ({plan.forced_from})' if plan.forced_from else ''} splits "
             f"{len(bad)} parameter(s) in blocks that no fused up factor reads block by block "
-            f"(only a bottleneck's up factor can be); write S(dim) or R; nothing was "
+            f"(only a bottleneck's up factor or a frozen weight can be); write S(dim) or R; nothing was "
             f"modified:\n  " + "\n  ".join(bad[:20])
         )

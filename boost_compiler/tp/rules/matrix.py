@@ -28,6 +28,7 @@ from ...ir.ops import (
     Contraction,
     as_contraction,
     contraction_operands,
+    is_elementwise_on_last_dim,
     shape_of,
     weight_parameter,
 )
@@ -109,6 +110,14 @@ def _frozen(
     name = ctx.param_name(c.weight)
     w_shape, nd = shape_of(c.weight), len(shape_of(node))
     whole = Strategy(out=R, whole=True, label="whole", note=f"{name}: frozen weight kept whole")
+    blocks = fused_blocks(ctx, node)
+    if blocks:  # a fused q/k/v: each rank its slice of every piece
+        s = Strategy(out=S(nd - 1, blocks), label="column-parallel per piece").read(c.input, R)
+        s.note = f"{name}: frozen weight, column-parallel per piece {list(blocks)}"
+        if _take(ctx, s, node, c.weight, S(1 - w_in, blocks)) and (
+            c.bias is None or _take(ctx, s, node, c.bias, S(0, blocks))
+        ):
+            return [s, whole]
     if _cut(node, nd - 1):
         whole.note += " (its output is cut into pieces: a split would need blocks)"
         return [whole]
@@ -234,13 +243,17 @@ def fused_blocks(ctx: RuleContext, node: fx.Node) -> tuple[int, ...]:
 
 def _last_dim_readers(node: fx.Node) -> list[fx.Node]:
     """``node``'s readers, through ``unsqueeze`` ops that keep its last dim last
-    (GPT-BigCode's ``c_attn(x).unsqueeze(1).split(sizes, dim=3)``): the blocked shard
-    moves through them (``views.dim_move``) to the split that reads it."""
+    (GPT-BigCode's ``c_attn(x).unsqueeze(1).split(sizes, dim=3)``) and element-wise ops of
+    its shape (a fused q/k/v's frozen base plus its LoRA update, scaled, summed before the
+    split): the blocked shard moves through them (``views.dim_move``,
+    ``pointwise.elementwise``) to the split that reads it."""
     found = []
     for user in node.users:
         nd = len(shape_of(user) or ())
         at = user.args[1] if op_kind(user) == "unsqueeze" and len(user.args) == 2 else None
         if isinstance(at, int) and user.args[0] is node and at % max(nd, 1) != nd - 1:
+            found += _last_dim_readers(user)
+        elif shape_of(user) == shape_of(node) and is_elementwise_on_last_dim(user):
             found += _last_dim_readers(user)
         else:
             found.append(user)

@@ -37,31 +37,34 @@ ELEMENTWISE = (
 
 # always: with no input sharded a parameter operand stays undecided (peek), so a
 # later shard can still decide it (a norm weight multiplied in after the norm).
-@rule(*ELEMENTWISE, always=True)
+# reads_blocks: every sharded operand in the same blocks (a fused q/k/v's frozen base plus its
+# LoRA update, summed before the split) is read block by block, element by element.
+@rule(*ELEMENTWISE, always=True, reads_blocks=True)
 def elementwise(ctx: RuleContext, node: fx.Node) -> Strategy:
     out = shape_of(node)
     tensors = tensor_inputs(node)
     if any(ctx.peek(a) == P for a in tensors):
         return Strategy(out=R, whole=True)
+    held = [pl for a in tensors if (pl := ctx.peek(a)) and pl.is_shard]
     dims = {aligned(ctx, a, out) for a in tensors if (pl := ctx.peek(a)) and pl.is_shard}
     if not dims:
         return Strategy(out=R, keep_open=True)
     # None: a sharded input of an op with no tensor output (``torch.where(mask)``'s
     # index tuple): gathered, never called replicated on a shard.
-    if out is None or len(dims) > 1 or None in dims:
+    if out is None or len(dims) > 1 or None in dims or len({pl.blocks for pl in held}) > 1:
         return fallback()
-    [k] = dims
+    [k], blk = dims, held[0].blocks
     nd = len(out)
-    s = Strategy(out=S(k))
+    s = Strategy(out=S(k, blk))
     for a in tensors:
         sh = shape_of(a) or ()
         j = k - (nd - len(sh))  # the operand's dim aligned to output dim k
         if j < 0 or sh[j] == 1:
             continue  # broadcast along the sharded dim: read whole (an open one is fixed so)
         if ctx.is_open(a):
-            s.fix[a] = S(j)
+            s.fix[a] = S(j, blk)
         elif ctx.peek(a) == R:
-            s.read(a, S(j))
+            s.read(a, S(j, blk))
     return s
 
 
