@@ -69,7 +69,8 @@ def check_blocks_fit(plan: TPPlan, frozen: Collection[str] = ()) -> None:
 
     Only their contractions read a weight block by block (a fused q/k/v's pieces, each
     split over the ranks: ``rules/matrix._frozen`` for a frozen LoRA base); any other op
-    would pair a blocked shard with a contiguous one. Refused by name before the
+    would pair a blocked shard with a contiguous one (a frozen norm weight forced so is
+    converted by the norm, ``rules/core.shard_arg``). Refused by name before the
     parameters are sharded.
     """
     ups = {b.up for b in plan.bottlenecks} | {b.up_bias for b in plan.bottlenecks if b.up_bias}

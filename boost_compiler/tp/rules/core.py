@@ -38,12 +38,12 @@ def call_replicated(pl: Placement) -> Strategy:
 
 def shard_arg(ctx: RuleContext, s: Strategy, prm: Any) -> None:
     """A norm's weight or bias read as the hidden shard: fixed so if open, else sliced
-    from the whole (no communication)."""
+    from the whole (no communication), or converted from another split."""
     if not isinstance(prm, fx.Node):
         return
     if ctx.is_open(prm):
         s.fix[prm] = S(0)
-    elif ctx.placement(prm) == R:
+    elif ctx.placement(prm) != S(0):  # whole, or split otherwise (a forced plan's blocks)
         s.read(prm, S(0))
 
 

@@ -62,7 +62,7 @@ def ep_strategy(ctx: RuleContext, up: fx.Node, why: str) -> Strategy | None:
         if ctx.is_open(prm):
             s.fix[prm] = S(0)
     s.call = Call(tp_ops.expert_parallel_ffn, (x, pu, pd, offs, ffn, ctx.rank * local))
-    dead = tuple(w for w, swapped in ((up.args[1], su), (down.args[1], sd)) if swapped)
+    dead = tuple(operands(g)[1] for g, swapped in ((up, su), (down, sd)) if swapped)  # type: ignore[index]
     s.fuse = Fuse(down, (up, *chain, down), dead)
     s.note = (
         f"{describe(up)}: experts {ctx.param_name(pu)!r} and {ctx.param_name(pd)!r} "
@@ -95,10 +95,10 @@ def stacked_experts(ctx: RuleContext, node: fx.Node) -> list[Strategy]:
     return [replace(replicated(), label="experts whole"), split]
 
 
-def intermediate(ctx: RuleContext, up: fx.Node) -> int | None:
-    """The width the down GEMM of ``up``'s stretch contracts (the experts' ``I``), or None."""
+def down_gemm(ctx: RuleContext, up: fx.Node) -> fx.Node | None:
+    """The down GEMM of the stretch the up GEMM ``up`` starts, or None."""
     found = _stretch(ctx, up)
-    return None if found is None else shape_of(operands(found[-1])[0])[1]  # type: ignore[index]
+    return None if found is None else found[-1]
 
 
 def operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
@@ -173,7 +173,11 @@ def _row_wise(node: fx.Node) -> bool:
         shape = shape_of(src)
         dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
         return bool(shape) and isinstance(dim, int) and dim % len(shape) == len(shape) - 1
-    return is_elementwise_on_last_dim(node) and len(shape_of(node) or ()) == 2
+    # not dropout: every rank would draw the same mask over its rolled rows
+    return (
+        is_elementwise_on_last_dim(node) and len(shape_of(node) or ()) == 2
+        and op_kind(node) != "dropout"
+    )  # fmt: skip
 
 
 def _ffn_module(
@@ -191,7 +195,8 @@ def _ffn_module(
            wd[0]: graph.placeholder("w_down"), offs: graph.placeholder("offs")}  # fmt: skip
     for gemm, (_, swapped) in ((up, wu), (down, wd)):
         if swapped:
-            env[gemm.args[1]] = graph.node_copy(gemm.args[1], env.__getitem__)
+            w = operands(gemm)[1]  # type: ignore[index]
+            env[w] = graph.node_copy(w, env.__getitem__)
     for node in (up, *chain, down):
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[down])

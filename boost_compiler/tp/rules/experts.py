@@ -32,7 +32,7 @@ from ...ir.ops import is_elementwise_on_last_dim, shape_of, value_of
 from .. import plan_cost as cost
 from ..placement import P, Placement, R, S
 from ..strategy import RuleContext, Strategy, Then, fallback, replicated
-from .expert_parallel import ep_strategy, expert_weight, intermediate, operands
+from .expert_parallel import down_gemm, ep_strategy, expert_weight, operands
 from .matrix import fused_blocks
 from .registry import rule
 
@@ -114,8 +114,9 @@ def _split_or_experts(
     run split or is asked not to. Not weighed where it can: the bytes are equal."""
     if ctx.expert_parallel and (ep := ep_strategy(ctx, node, "the btp setting")):
         return ep
-    inner = intermediate(ctx, node)
-    if inner is not None and inner % ctx.p:
+    down = down_gemm(ctx, node)
+    inner = shape_of(operands(down)[0])[1] if down is not None else None  # type: ignore[index]
+    if isinstance(inner, int) and inner % ctx.p:
         why = f"tp={ctx.p} does not divide their intermediate {inner}; weighed against whole"
         if (ep := ep_strategy(ctx, node, why)) is not None:
             # whole: the weight sits behind its transpose, where the planner's price of a
@@ -123,7 +124,10 @@ def _split_or_experts(
             whole = Strategy(out=R, whole=True, cost=cost.held(value_of(found[0]), ctx.p))
             return [whole, ep]
     try:
-        return _column_parallel(ctx, node, x, w, found)
+        split = _column_parallel(ctx, node, x, w, found)
+        if down is not None:  # the down GEMM's half of the split, checked now
+            _check_aligned(ctx, down, operands(down)[1], 1)  # type: ignore[index]
+        return split
     except ExpertAlignmentError:
         ep = ep_strategy(ctx, node, "their intermediate split breaks the kernel's alignment")
         if ep is None:

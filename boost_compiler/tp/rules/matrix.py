@@ -253,7 +253,8 @@ def _last_dim_readers(node: fx.Node) -> list[fx.Node]:
         at = user.args[1] if op_kind(user) == "unsqueeze" and len(user.args) == 2 else None
         if isinstance(at, int) and user.args[0] is node and at % max(nd, 1) != nd - 1:
             found += _last_dim_readers(user)
-        elif shape_of(user) == shape_of(node) and is_elementwise_on_last_dim(user):
+        elif (shape_of(user) == shape_of(node) and is_elementwise_on_last_dim(user)
+              and op_kind(user) != "dropout"):  # fmt: skip
             found += _last_dim_readers(user)
         else:
             found.append(user)
@@ -267,10 +268,11 @@ def _few_kv_heads(ctx: RuleContext, node: fx.Node, pls: dict, k: int) -> int:
     if op_kind(node) != "sdpa" or not node.kwargs.get("enable_gqa") or len(node.args) < 3:
         return 0
     q, key, value = node.args[:3]
-    if pls.get(key) != R or pls.get(value) != R or pls.get(q) != S(k) or k != 1:
+    # held whole already: not multi-query's regathered head (read whole by the caller)
+    if ctx.placement(key) != R or ctx.placement(value) != R or pls.get(q) != S(k) or k != 1:
         return 0
     heads, kv = shape_of(q)[1], shape_of(key)[1]
-    if not (isinstance(heads, int) and isinstance(kv, int)) or kv >= ctx.p:
+    if not (isinstance(heads, int) and isinstance(kv, int)) or not 1 < kv < ctx.p:
         return 0
     return kv if heads % ctx.p == 0 and ctx.p % kv == 0 and heads % kv == 0 else 0
 

@@ -128,13 +128,14 @@ def _single_head(src: tuple, dst: tuple, dim: int, k: int) -> bool:
 
 def _few_heads(src: tuple, dst: tuple, dim: int, k: int, p: int) -> bool:
     """A feature shard viewed as fewer heads than ranks, ``[b, s, n hd] -> [b, s, n, hd]``
-    with ``1 < n < p`` (grouped-query attention's keys or values at a larger tensor-parallel
-    degree): no rank can hold a whole head, so they are gathered here, unexpanded, as
+    with ``1 < n < p`` dividing ``p`` (grouped-query attention's keys or values at a larger
+    tensor-parallel degree; other counts are refused by name, as before): no rank can hold a whole head, so they are gathered here, unexpanded, as
     Megatron replicates such key/value heads; the query heads stay split and each rank reads
     the key/value heads its own query heads use."""
     return (
         dim == len(src) - 1 and k == len(dst) - 2 and len(dst) >= 2
-        and isinstance(dst[-2], int) and 1 < dst[-2] < p and dst[-2] * dst[-1] == src[-1]
+        and isinstance(dst[-2], int) and 1 < dst[-2] < p and p % dst[-2] == 0
+        and dst[-2] * dst[-1] == src[-1]
     )  # fmt: skip
 
 
