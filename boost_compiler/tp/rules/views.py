@@ -66,7 +66,7 @@ def view(ctx: RuleContext, node: fx.Node) -> Strategy:
         return fallback()
     if out is None:
         k, divisor = moved
-        if _few_heads(src, dst, pl.dim, k, ctx.p):
+        if _few_heads(src, dst, pl.dim, k, ctx.p) and _keys_or_values(node):
             return Strategy(
                 out=R, whole=True,
                 label=f"{divisor} key/value heads, fewer than the ranks: whole on every rank",
@@ -129,7 +129,7 @@ def _single_head(src: tuple, dst: tuple, dim: int, k: int) -> bool:
 def _few_heads(src: tuple, dst: tuple, dim: int, k: int, p: int) -> bool:
     """A feature shard viewed as fewer heads than ranks, ``[b, s, n hd] -> [b, s, n, hd]``
     with ``1 < n < p`` dividing ``p`` (grouped-query attention's keys or values at a larger
-    tensor-parallel degree; other counts are refused by name, as before): no rank can hold a whole head, so they are gathered here, unexpanded, as
+    tensor-parallel degree; other counts, and query heads, are refused by name, as before): no rank can hold a whole head, so they are gathered here, unexpanded, as
     Megatron replicates such key/value heads; the query heads stay split and each rank reads
     the key/value heads its own query heads use."""
     return (
@@ -388,4 +388,23 @@ def _reaches_attention_only(node: fx.Node) -> bool:
             todo.extend(user.users)
         else:
             return False
+    return found
+
+
+def _keys_or_values(node: fx.Node, budget: int = 64) -> bool:
+    """Every attention op ``node``'s values reach reads them as keys or values (not as its
+    first operand, the queries'): query heads fewer than the ranks keep their refusal."""
+    seen, todo, found = {node}, [node], False
+    while todo:
+        cur = todo.pop()
+        for user in cur.users:
+            if op_kind(user) in _ATTENTION:
+                found = True
+                if user.args and user.args[0] is cur:
+                    return False
+            elif user not in seen and user.op != "output" and len(seen) < budget:
+                seen.add(user)
+                todo.append(user)
+            elif user not in seen:
+                return False  # the graph's output, or too far to tell
     return found
