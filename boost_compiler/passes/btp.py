@@ -50,6 +50,7 @@ class BottleneckTP(BoostPass):
         "boost_compiler.tp.head_views",
         *rules.MODULES,
         "boost_compiler.tp.sharded_ops",
+        "boost_compiler.tp.stretch",
         "boost_compiler.tp.collectives",
     )
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import operator
 from dataclasses import replace
 
-import torch
 import torch.fx as fx
 
 from ...ir.op_table import op_kind
@@ -34,6 +33,7 @@ from ...ir.ops import is_elementwise_on_last_dim, shape_of
 from .. import sharded_ops as tp_ops
 from ..placement import P, R, S
 from ..strategy import Call, Fuse, RuleContext, Strategy, replicated
+from ..stretch import stretch_module
 from .core import describe
 from .registry import rule
 from .views import swaps_matrices
@@ -55,14 +55,15 @@ def ep_strategy(ctx: RuleContext, up: fx.Node, why: str) -> Strategy | None:
         if not (ctx.is_open(prm) or ctx.placement(prm) == S(0)):
             return None
     local = experts // ctx.p
-    ffn = _ffn_module(up, chain, down, (pu, su), (pd, sd), x, offs)
+    views = tuple(operands(g)[1] if swapped else None for g, swapped in ((up, su), (down, sd)))  # type: ignore[index]
+    ffn = stretch_module(x, ((pu, views[0]), (pd, views[1])), offs, [up, *chain, down])
     s = Strategy(out=P, label="expert parallel").read(x, R).read(offs, R)
     for prm in (pu, pd):
         s.read(prm, S(0))
         if ctx.is_open(prm):
             s.fix[prm] = S(0)
     s.call = Call(tp_ops.expert_parallel_ffn, (x, pu, pd, offs, ffn, ctx.rank * local))
-    dead = tuple(operands(g)[1] for g, swapped in ((up, su), (down, sd)) if swapped)  # type: ignore[index]
+    dead = tuple(v for v in views if v is not None)
     s.fuse = Fuse(down, (up, *chain, down), dead)
     s.note = (
         f"{describe(up)}: experts {ctx.param_name(pu)!r} and {ctx.param_name(pd)!r} "
@@ -158,8 +159,19 @@ def _stretch(ctx: RuleContext, up: fx.Node) -> tuple | None:
     wd = expert_weight(ctx, read[1])
     if wd is None or wd[0] is wu[0]:
         return None
-    order = {n: i for i, n in enumerate(up.graph.nodes)}
-    return x, offs, wu, wd, sorted(chain, key=order.__getitem__), down
+    return x, offs, wu, wd, _in_order(chain, up), down
+
+
+def _in_order(chain: list[fx.Node], up: fx.Node) -> list[fx.Node]:
+    """``chain`` in an order that computes each node after its inputs (read off the
+    dataflow: a rule does not walk the graph)."""
+    done, out, todo = {up}, [], list(chain)
+    while todo:
+        ready = [n for n in todo if set(n.all_input_nodes) <= done]
+        out += ready
+        done.update(ready)
+        todo = [n for n in todo if n not in done]
+    return out
 
 
 def _row_wise(node: fx.Node) -> bool:
@@ -178,26 +190,3 @@ def _row_wise(node: fx.Node) -> bool:
         is_elementwise_on_last_dim(node) and len(shape_of(node) or ()) == 2
         and op_kind(node) != "dropout"
     )  # fmt: skip
-
-
-def _ffn_module(
-    up: fx.Node,
-    chain: list[fx.Node],
-    down: fx.Node,
-    wu: tuple[fx.Node, bool],
-    wd: tuple[fx.Node, bool],
-    x: fx.Node,
-    offs: fx.Node,
-) -> fx.GraphModule:
-    """The stretch as its own graph ``(x, w_up, w_down, offs) -> y``: the same ops."""
-    graph = fx.Graph()
-    env = {x: graph.placeholder("x"), wu[0]: graph.placeholder("w_up"),
-           wd[0]: graph.placeholder("w_down"), offs: graph.placeholder("offs")}  # fmt: skip
-    for gemm, (_, swapped) in ((up, wu), (down, wd)):
-        if swapped:
-            w = operands(gemm)[1]  # type: ignore[index]
-            env[w] = graph.node_copy(w, env.__getitem__)
-    for node in (up, *chain, down):
-        env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output(env[down])
-    return fx.GraphModule(torch.nn.Module(), graph)
