@@ -36,6 +36,7 @@ from ..strategy import Call, Fuse, RuleContext, Strategy, replicated
 from ..stretch import stretch_module
 from .core import describe
 from .registry import rule
+from .slicing import split_sizes
 from .views import swaps_matrices
 
 _SPLITS = ("chunk", "split")
@@ -182,9 +183,7 @@ def _row_wise(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target is operator.getitem:
         return op_kind(src) in _SPLITS and isinstance(node.args[1], int)
     if op_kind(node) in _SPLITS:
-        shape = shape_of(src)
-        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0)
-        return bool(shape) and isinstance(dim, int) and dim % len(shape) == len(shape) - 1
+        return split_sizes(node, -1) is not None
     # not dropout: every rank would draw the same mask over its rolled rows
     return (
         is_elementwise_on_last_dim(node) and len(shape_of(node) or ()) == 2
