@@ -52,7 +52,7 @@ def test_classify() -> None:
     assert breakdown.classify("_c10d_functional::wait_tensor") == "exposed comm"
     assert breakdown.classify("c10d::allreduce_") == "exposed comm"
     assert breakdown.classify("boost::collective_wait") == "exposed comm"
-    assert breakdown.classify("boost::all_reduce_start") == "exposed comm"
+    assert breakdown.classify("boost::all_reduce_start_") == "exposed comm"
     assert breakdown.classify("## Call CompiledFxGraph fabc") == "other compute"
     assert breakdown.classify("aten::_scaled_dot_product_flash_attention_for_cpu") == (
         "other compute"

@@ -103,7 +103,7 @@ def test_split_decides_by_the_traced_tensors_device(one_rank: Any) -> None:
         for val, want in ((on_cpu, True), (on_cuda, False)):
             g = _all_reduce_graph(name, val)
             assert split_collectives(g, "auto") == 1
-            (wait,) = [n for n in g.nodes if n.target is torch.ops.boost.collective_wait.default]
+            (wait,) = [n for n in g.nodes if n.target is torch.ops.boost.collective_wait_.default]
             assert wait.args[1] is want, val.device
 
 

@@ -19,9 +19,10 @@ from examples.cola_llama import build, example_inputs
 
 FUNCOL = torch.ops._c10d_functional
 BOOST = {
-    torch.ops.boost.all_reduce_start.default,
+    torch.ops.boost.all_reduce_start_.default,
     torch.ops.boost.all_gather_start.default,
     torch.ops.boost.collective_wait.default,
+    torch.ops.boost.collective_wait_.default,
 }
 
 
@@ -61,13 +62,14 @@ def test_split_graphs_issue_the_same_collectives() -> None:
     for b, p in zip(blocked, split, strict=True):
         assert b.get("_c10d_functional.all_reduce", 0) > 0
         assert not any(k.startswith("boost.") for k in b)
-        assert p.get("boost.all_reduce_start", 0) == b["_c10d_functional.all_reduce"]
+        # all-reduces reduce in place into a clone and are waited for in place; all-gathers
+        # keep their out-of-place pair
+        assert p.get("boost.all_reduce_start_", 0) == b["_c10d_functional.all_reduce"]
+        assert p["boost.collective_wait_"] == p["boost.all_reduce_start_"]
         assert p.get("boost.all_gather_start", 0) == b.get(
             "_c10d_functional.all_gather_into_tensor", 0
         )
-        assert p["boost.collective_wait"] == p["boost.all_reduce_start"] + p.get(
-            "boost.all_gather_start", 0
-        )
+        assert p.get("boost.collective_wait", 0) == p.get("boost.all_gather_start", 0)
         assert "_c10d_functional.all_reduce" not in p
         assert p.get("_c10d_functional.reduce_scatter_tensor", 0) == b.get(
             "_c10d_functional.reduce_scatter_tensor", 0
@@ -104,11 +106,17 @@ def test_only_a_collective_whose_one_user_is_its_wait_is_split() -> None:
                                ("auto", "no such group", False)):  # fmt: skip
         g = _graph(1, group)
         assert split_collectives(g, mode) == 1
-        start, wait = [n for n in g.nodes if n.op == "call_function"]
-        assert start.target is torch.ops.boost.all_reduce_start.default
-        assert start.args[1:] == ("sum", group)
-        assert wait.target is torch.ops.boost.collective_wait.default
-        assert wait.args == (start, polls)  # auto polls live gloo groups only
+        clone, start, wait = [n for n in g.nodes if n.op == "call_function"]
+        assert clone.target is torch.ops.aten.clone.default and clone.args[0].name == "x"
+        assert start.target is torch.ops.boost.all_reduce_start_.default
+        assert start.args == (clone, "sum", group)
+        assert wait.target is torch.ops.boost.collective_wait_.default
+        assert wait.args == (clone, polls)  # auto polls live gloo groups only
+        # the wait's reader reads the clone, reduced in place, after the wait
+        (out,) = [n for n in g.nodes if n.op == "output"]
+        assert out.args[0] == (clone,)
+        order = list(g.nodes)
+        assert order.index(clone) < order.index(start) < order.index(wait) < order.index(out)
 
 
 def polled_values(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
@@ -125,9 +133,10 @@ def polled_values(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
         for op in ("sum", "max"):
             want = x.clone()
             dist.all_reduce(want, op=getattr(dist.ReduceOp, op.upper()))
-            started = torch.ops.boost.all_reduce_start(x, op, name)
-            got = torch.ops.boost.collective_wait(started, True)
-            out[op] = torch.equal(got, want) and not torch.equal(got, x)
+            buf = x.clone()
+            torch.ops.boost.all_reduce_start_(buf, op, name)
+            torch.ops.boost.collective_wait_(buf, True)
+            out[op] = torch.equal(buf, want) and not torch.equal(buf, x)
         want = torch.empty(8, 8, 3)
         dist.all_gather_single(want, x)
         started = torch.ops.boost.all_gather_start(x, 2, name)
@@ -169,7 +178,7 @@ def test_reorder_starts_early_waits_late_dependencies_kept() -> None:
     """A backward layer as Inductor fuses it: the input-gradient GEMM feeds the all-reduce,
     the weight-gradient GEMM does not; the reorder runs the weight GEMM while the
     all-reduce is in flight, and never before its own input."""
-    start, wait = torch.ops.boost.all_reduce_start.default, torch.ops.boost.collective_wait.default
+    start, wait = torch.ops.boost.all_gather_start.default, torch.ops.boost.collective_wait.default
     nodes = [
         _Node("g"),  # the incoming gradient
         _Node("w_grad", deps=("g",)),  # weight-gradient GEMM: independent of the collective
@@ -180,5 +189,9 @@ def test_reorder_starts_early_waits_late_dependencies_kept() -> None:
     ]
     order = [n.name for n in reorder(nodes)]
     assert order == ["g", "x_grad", "start", "w_grad", "wait", "next"]
+    # the all-reduce's in-place pair: the same order
+    in_place = [torch.ops.boost.all_reduce_start_.default, torch.ops.boost.collective_wait_.default]
+    nodes[3].node.op_overload, nodes[4].node.op_overload = in_place
+    assert [n.name for n in reorder(nodes)] == order
     no_wait = [n for n in nodes if n.name not in ("start", "wait")]
     assert reorder(no_wait) == no_wait  # nothing to overlap: Inductor's order stands

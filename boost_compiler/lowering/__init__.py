@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomSchedulerPass
 
 from .overlap import reorder
-from .poll_waits import STARTS, WAIT, polls, split_collectives
+from .poll_waits import STARTS, WAIT, WAITS, polls, split_collectives
 
 # folded into Inductor's cache key: a change to these passes recompiles
 SOURCE_DIGEST = hashlib.sha256(
@@ -43,6 +43,6 @@ class OverlapSchedule(CustomSchedulerPass):
 
 
 __all__ = [
-    "SOURCE_DIGEST", "STARTS", "WAIT", "OverlapSchedule", "polls", "post_grad", "reorder",
+    "SOURCE_DIGEST", "STARTS", "WAIT", "WAITS", "OverlapSchedule", "polls", "post_grad", "reorder",
     "split_collectives",
 ]  # fmt: skip

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from typing import Any
 
-from .poll_waits import STARTS, WAIT
+from .poll_waits import STARTS, WAITS
 
 _STARTS = frozenset(start for start, _ in STARTS.values())
 
@@ -50,7 +50,7 @@ def _feeding(nodes: list[Any], deps: dict[Any, list[Any]]) -> set[Any]:
 
 def reorder(nodes: list[Any]) -> list[Any]:
     """``nodes`` (a topological order) re-ordered as the module docstring says."""
-    if not any(_op(n) is WAIT for n in nodes):
+    if not any(_op(n) in WAITS for n in nodes):
         return nodes
     by_buffer = {b: n for n in nodes for b in n.get_buffer_names()}
     deps = {  # ordered, each once: the producers in this list of what n still waits for
@@ -64,7 +64,7 @@ def reorder(nodes: list[Any]) -> list[Any]:
         op = _op(n)
         if op in _STARTS:
             return (0, index[n])
-        if op is WAIT:
+        if op in WAITS:
             return (3, index[n])
         return (1 if n in feeding else 2, index[n])
 

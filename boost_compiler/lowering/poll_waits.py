@@ -1,10 +1,13 @@
 """Collectives issued as start/wait op pairs whose wait polls on CPU process groups.
 
 Invariant: each ``_c10d_functional`` all-reduce / all-gather whose only user is its
-``wait_tensor`` becomes ``boost::*_start`` (at the collective's place: the same collective
-on the same process group, issued in the same order on every rank) and
-``boost::collective_wait`` (at the wait's place), which returns the collective's result.
-Anything else (a collective with other users, an unknown reduce op, a reduce-scatter:
+``wait_tensor`` becomes a start (at the collective's place: the same collective on the
+same process group, issued in the same order on every rank) and a wait (at the wait's
+place). An all-reduce reduces in place into a fresh clone of its input
+(``boost::all_reduce_start_``; ``boost::collective_wait_``, both declared mutations of the
+clone, which the wait's readers read): no copy but the clone, which Inductor fuses into the
+kernel computing the input, as in its own lowering of an all-reduce. An all-gather writes a
+new tensor (``boost::all_gather_start``; ``boost::collective_wait`` returns it). Anything else (a collective with other users, an unknown reduce op, a reduce-scatter:
 gloo's emulated one completes only inside ``wait()``; without ``overlap_comm``, one that
 would not be polled) is left as it was. Where the wait then goes is :mod:`.overlap`'s
 business.
@@ -63,21 +66,27 @@ def _complete(work: Any, poll: bool) -> None:
     work.wait()  # raises the collective's error (a timeout, a peer gone), if any
 
 
-@torch.library.custom_op("boost::all_reduce_start", mutates_args=())
-def all_reduce_start(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    """Issue ``_c10d_functional.all_reduce`` on a copy of ``x``; read it through
-    :func:`collective_wait` only."""
+@torch.library.custom_op("boost::all_reduce_start_", mutates_args=("x",))
+def all_reduce_start_(x: torch.Tensor, reduce_op: str, group_name: str) -> None:
+    """Issue an all-reduce of ``x`` in place; ``x`` is read again only after
+    :func:`collective_wait_` on it. The pass gives it a fresh contiguous clone of the
+    collective's input (an ``aten.clone`` Inductor fuses into the kernel that computes it),
+    so no other value shares the buffer the reduction writes into."""
     import torch.distributed as dist
 
-    out = x.clone(memory_format=torch.contiguous_format)
-    work = dist.all_reduce(out, op=_reduce_op(reduce_op), group=_group(group_name), async_op=True)
-    _PENDING[_key(out)] = work
-    return out
+    work = dist.all_reduce(x, op=_reduce_op(reduce_op), group=_group(group_name), async_op=True)
+    _PENDING[_key(x)] = work
 
 
-@all_reduce_start.register_fake
-def _(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+@torch.library.custom_op("boost::collective_wait_", mutates_args=("x",))
+def collective_wait_(x: torch.Tensor, poll: bool) -> None:
+    """Complete the in-place collective :func:`all_reduce_start_` issued on ``x``: after
+    it, ``x`` holds the result (declared a mutation, so every later read is ordered after
+    it, and nothing is copied)."""
+    work = _PENDING.pop(_key(x), None)
+    if work is None:
+        raise RuntimeError("boost::collective_wait_: no collective in flight for this tensor")
+    _complete(work, poll)
 
 
 @torch.library.custom_op("boost::all_gather_start", mutates_args=())
@@ -117,10 +126,14 @@ def _(x: torch.Tensor, poll: bool) -> torch.Tensor:
 
 # functional collective -> (its start op, position of its reduce op among the arguments)
 STARTS = {
-    _FUNCOL.all_reduce.default: (torch.ops.boost.all_reduce_start.default, 1),
+    _FUNCOL.all_reduce.default: (torch.ops.boost.all_reduce_start_.default, 1),
     _FUNCOL.all_gather_into_tensor.default: (torch.ops.boost.all_gather_start.default, None),
 }
+# the start ops that reduce in place into their first argument, with their wait
+IN_PLACE = frozenset({torch.ops.boost.all_reduce_start_.default})
 WAIT = torch.ops.boost.collective_wait.default
+WAIT_IN_PLACE = torch.ops.boost.collective_wait_.default
+WAITS = frozenset({WAIT, WAIT_IN_PLACE})
 
 
 def polls(group_name: str, mode: str, device: torch.device | None = None) -> bool:
@@ -165,15 +178,42 @@ def split_collectives(graph: fx.Graph, mode: str = "auto", split_blocking: bool 
         poll = polls(node.args[-1], mode, _device(node))
         if not (poll or split_blocking):
             continue
-        with graph.inserting_before(node):
-            start = graph.call_function(start_op, tuple(node.args))
-        with graph.inserting_before(wait):
-            new = graph.call_function(WAIT, (start, poll))
-        # values and provenance; not eager_input_vals (the replaced nodes' own arguments)
-        start.meta = {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
-        new.meta = {k: v for k, v in wait.meta.items() if k != "eager_input_vals"}
+        if start_op in IN_PLACE:
+            new = _in_place(graph, node, wait, start_op, poll)
+        else:
+            with graph.inserting_before(node):
+                start = graph.call_function(start_op, tuple(node.args))
+            with graph.inserting_before(wait):
+                new = graph.call_function(WAIT, (start, poll))
+            start.meta = _meta(node)
+            new.meta = _meta(wait)
         wait.replace_all_uses_with(new)
         graph.erase_node(wait)
         graph.erase_node(node)
         done += 1
     return done
+
+
+def _meta(node: fx.Node) -> dict[str, Any]:
+    """A replaced node's value and provenance; not eager_input_vals (its own arguments)."""
+    return {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
+
+
+def _in_place(graph: fx.Graph, node: fx.Node, wait: fx.Node, start_op: Any, poll: bool) -> fx.Node:
+    """``clone(x)``, the start reducing into it and its wait, both declared mutations of
+    it: the node the wait's readers read instead. The clone is a fresh buffer no other
+    value aliases (what torch's own Inductor lowering of an all-reduce does: Inductor
+    fuses the copy into the kernel that computes ``x``), so neither start nor wait copies,
+    where the out-of-place pair copied the payload twice."""
+    x, *rest = node.args
+    with graph.inserting_before(node):
+        buf = graph.call_function(
+            torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
+        )
+        start = graph.call_function(start_op, (buf, *rest))
+    with graph.inserting_before(wait):
+        done = graph.call_function(WAIT_IN_PLACE, (buf, poll))
+    buf.meta = _meta(node)
+    start.meta = {k: v for k, v in _meta(node).items() if k != "val"}
+    done.meta = {k: v for k, v in _meta(wait).items() if k != "val"}
+    return buf

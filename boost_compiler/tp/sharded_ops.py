@@ -230,6 +230,26 @@ def _loss_statistics(node: fx.Node) -> tuple[tuple[Any, ...], torch.dtype]:
     return (node.args[7] * value_of(node.args[0]).shape[0], 2), torch.float32
 
 
+def _target_logit(z: torch.Tensor, target: torch.Tensor, lo: int) -> torch.Tensor:
+    """``z[i, target[i] - lo]`` where this rank holds the target's column, else 0.
+
+    Compiled, the column is picked by comparing it with the column index: gather's backward
+    is a scatter into a zeroed ``[N, V/p]`` buffer, two more passes over the logits' size
+    that Inductor does not fuse (with a fresh page-faulted buffer each step: the loss's
+    backward took longer on half the vocabulary than one process's on all of it); the
+    comparison's backward is element-wise and fuses into the softmax's single pass. Eager,
+    where nothing fuses and the comparison would materialise two ``[N, V/p]`` tensors,
+    gather. The two are equal exactly (a row's sum of zeros and one logit is that logit).
+    """
+    part = z.shape[-1]
+    if torch.compiler.is_compiling():
+        hit = torch.arange(lo, lo + part, device=z.device) == target.unsqueeze(-1)
+        return torch.where(hit, z, z.new_zeros(())).sum(-1)
+    inside = (target >= lo) & (target < lo + part)
+    idx = (target - lo).clamp(0, part - 1).unsqueeze(-1)
+    return torch.where(inside, z.gather(-1, idx).squeeze(-1), z.new_zeros(()))
+
+
 @communicates(Comm("all_gather", True, False, _loss_statistics, "loss statistics"))
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
@@ -267,9 +287,7 @@ def vocab_parallel_cross_entropy(
     m = z.detach().amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     lse_local = torch.log(torch.exp(z - m).sum(-1)) + m.squeeze(-1)
-    inside = (target >= lo) & (target < lo + part)
-    idx = (target - lo).clamp(0, part - 1).unsqueeze(-1)
-    picked = torch.where(inside, z.gather(-1, idx).squeeze(-1), torch.zeros_like(lse_local))
+    picked = _target_logit(z, target, lo)
     if label_smoothing:
         picked = (1 - label_smoothing) * picked + label_smoothing / vocab * z.sum(-1)
     local = torch.stack([lse_local, picked], -1)
