@@ -4,8 +4,9 @@
 
 Each argument is a run's folder (or its ``results.json``). Per size and system: the median
 over the runs of the median step, of the parallel efficiency, of BOOST's speed-up over the
-system, of the worst rank's GEMM time over one process's, and of each part of the step
-breakdown (the slowest rank's), with each run's value beside it.
+system, of the worst rank's GEMM time and other compute over one process's (``inductor``,
+same run and size), and of each part of the step breakdown (the slowest rank's), with each
+run's value beside it.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def figures(row: dict[str, Any]) -> dict[str, float | None]:
+def figures(row: dict[str, Any], one: dict[str, Any] | None = None) -> dict[str, float | None]:
+    """A system's figures in one run; ``one``: the same run's one-process Inductor row of
+    the same size, for the slowest rank's other compute over one process's ("other/1p")."""
     b = row.get("breakdown", {}).get("max", {})
+    base = ((one or {}).get("breakdown") or {}).get("max", {}).get("other compute")
+    other = b.get("other compute")
     return {
         "ms/step": row["step_s"] * 1e3,
         "par. eff.": row.get("efficiency"),
         "BOOST faster by": row.get("boost_speedup"),
         "GEMM/1p": row.get("gemm_vs_single"),
+        "other/1p": other / base if other is not None and base else None,
         **{p: b.get(p) for p in PARTS},
     }
 
@@ -53,12 +59,13 @@ def median_table(runs: list[dict[str, Any]]) -> Any:
         t.add_column(c, justify="left" if c in ("size", "system") else "right")
     for size in runs[0]:
         for system in runs[0][size]:
-            rows = [r[size][system] for r in runs if "step_s" in r.get(size, {}).get(system, {})]
+            rows = [(r[size][system], r[size].get("inductor")) for r in runs
+                    if "step_s" in r.get(size, {}).get(system, {})]  # fmt: skip
             if not rows:
                 continue
             cells = []
             for name in names:
-                vals = [v for r in rows if (v := figures(r)[name]) is not None]
+                vals = [v for r, one in rows if (v := figures(r, one)[name]) is not None]
                 if not vals:
                     cells.append("")
                     continue

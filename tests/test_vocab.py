@@ -97,3 +97,50 @@ def test_vocabulary_parallel_head_is_exact(two: dict, key: str) -> None:
             b, s = r["ids_shape"]  # both tied models have d = 64
             assert ["gloo:all_reduce", [64, b, s], "float", False] in r["wire"], r["wire"]
             assert ["gloo:all_gather", [b, s, 32], "float", True] in r["wire"], r["wire"]
+
+
+def _loss_graphs(smoothing: float) -> tuple[set[str], set[str]]:
+    """The ops of the vocabulary-parallel loss's forward and backward graphs, compiled
+    (AOTAutograd, as Inductor receives them) on a 2-rank fake group."""
+    import torch
+    from torch._dynamo.backends.common import aot_autograd
+
+    from boost_compiler.tp.groups import fake_process_group
+    from boost_compiler.tp.sharded_ops import vocab_parallel_cross_entropy
+
+    graphs: list[set[str]] = []
+
+    def record(gm, _inputs):  # type: ignore[no-untyped-def]
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    with fake_process_group(2, rank=1) as group:
+        logits = torch.randn(12, 8, requires_grad=True)
+        target = torch.tensor([0, 3, 8, 15, -100, 9, 7, 8, 1, 2, 14, 11])
+
+        def loss(z: torch.Tensor) -> torch.Tensor:
+            return vocab_parallel_cross_entropy(z, target, -100, "mean", smoothing, 16, 1, 2,
+                                                group)  # fmt: skip
+
+        torch._dynamo.reset()
+        compiled = torch.compile(loss, backend=aot_autograd(fw_compiler=record,
+                                                            bw_compiler=record))  # fmt: skip
+        compiled(logits).backward()
+    assert len(graphs) == 2, graphs
+    return graphs[0], graphs[1]
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_the_compiled_loss_reads_the_logits_element_wise(smoothing: float) -> None:
+    """Compiled, the target's logit is picked by comparing columns with the target, so the
+    backward is element-wise (one fused pass over ``[N, V/p]``): no gather forward, no
+    scatter into a zeroed buffer backward (issue 45: that scatter made the backward on half
+    the vocabulary slower than one process's on all of it). The forward's one collective is
+    the ``[N, 2]`` statistics' all-gather; the backward has none."""
+    fwd, bwd = _loss_graphs(smoothing)
+    assert not [op for op in fwd | bwd if "gather.default" == op.split(".", 1)[-1]
+                or "scatter" in op], (fwd, bwd)  # fmt: skip
+    assert [op for op in fwd if "_c10d_functional" in op and "wait" not in op] == [
+        "_c10d_functional.all_gather_into_tensor.default"
+    ], fwd
+    assert not [op for op in bwd if "_c10d_functional" in op], bwd

@@ -187,15 +187,18 @@ def within(parts: dict[str, Any], tolerance: float = 0.05) -> bool:
 
 # --- the same step by kind of work (issue 45): the loss, the norms, attention, ... --------
 # kind -> op names, matched as whole words of an event's name (``cat`` is not ``scatter``);
-# first match wins: attention first, copies last (casts appear in many fusions). A
-# decomposed softmax's ``amax``/``exp`` name no kind: attention's and the loss's look alike.
+# first match wins: attention first, copies (casts appear in many fusions) and the
+# embedding last: a kernel of a compiled region (``invoke_subgraph``, per-block compile)
+# carries the op that feeds the region in its name, the embedding lookup for the first
+# block, so every kernel of the block reads "embedding". A decomposed softmax's
+# ``amax``/``exp`` name no kind: attention's and the loss's look alike.
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("scaled_dot_product", "flash_attention", "sdpa")),
     ("loss", ("log_softmax", "logsumexp", "nll_loss", "cross_entropy")),
-    ("embedding", ("embedding",)),
     ("norm", ("rsqrt", "layer_norm", "rms_norm")),
     ("activation", ("silu", "gelu", "sigmoid", "relu", "tanh")),
     ("copies", ("clone", "copy", "cat", "slice_scatter", "contiguous", "index_put")),
+    ("embedding", ("embedding",)),
 )
 _WORDS = tuple(
     (kind, re.compile("|".join(rf"(?:^|[_:]){w}(?=$|[_\d])" for w in words)))

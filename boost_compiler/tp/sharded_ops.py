@@ -282,11 +282,8 @@ def vocab_parallel_cross_entropy(
     z = _acc(logits)
     part = z.shape[-1]
     lo = rank * part
-    # A stabiliser only (detached: the log-sum-exp does not depend on it); a shard
-    # of -inf logits keeps 0, so its log-sum-exp is -inf and not NaN.
-    m = z.detach().amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    lse_local = torch.log(torch.exp(z - m).sum(-1)) + m.squeeze(-1)
+    # stable, and -inf (not NaN) for a shard of -inf logits
+    lse_local = torch.logsumexp(z, -1)
     picked = _target_logit(z, target, lo)
     if label_smoothing:
         picked = (1 - label_smoothing) * picked + label_smoothing / vocab * z.sum(-1)
