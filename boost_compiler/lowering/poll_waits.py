@@ -6,8 +6,9 @@ same process group, issued in the same order on every rank) and a wait (at the w
 place). An all-reduce reduces in place into a fresh clone of its input
 (``boost::all_reduce_start_``; ``boost::collective_wait_``, both declared mutations of the
 clone, which the wait's readers read): no copy but the clone, which Inductor fuses into the
-kernel computing the input, as in its own lowering of an all-reduce. An all-gather writes a
-new tensor (``boost::all_gather_start``; ``boost::collective_wait`` returns it). Anything else (a collective with other users, an unknown reduce op, a reduce-scatter:
+kernel computing the input, as in its own lowering of an all-reduce. An all-gather writes
+a new tensor (``boost::all_gather_start``; ``boost::collective_wait`` returns it).
+Anything else (a collective with other users, an unknown reduce op, a reduce-scatter:
 gloo's emulated one completes only inside ``wait()``; without ``overlap_comm``, one that
 would not be polled) is left as it was. Where the wait then goes is :mod:`.overlap`'s
 business.
