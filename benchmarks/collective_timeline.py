@@ -59,7 +59,7 @@ def _instrument(log: list[list[float]]) -> None:
             row[1], row[2] = t, time.perf_counter()
 
     dist.all_reduce = timed(dist.all_reduce, 0)
-    dist.all_gather_into_tensor = timed(dist.all_gather_into_tensor, 1)
+    dist.all_gather_single = timed(dist.all_gather_single, 1)  # poll_waits.all_gather_start
     poll_waits._complete = timed_complete
 
 
@@ -155,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait", default="auto", choices=("auto", "poll"))
     ap.add_argument("--overlap", action="store_true", help="option overlap_comm=True")
     ap.add_argument("--verbose", action="store_true", help="each collective's median wait")
+    ap.add_argument("--bind-cores", action="store_true", help="each rank on its own core")
     args = ap.parse_args(argv)
     options = {"collective_wait": args.wait, "overlap_comm": args.overlap}
     res = spawn("benchmarks.collective_timeline:measure", args.tp,
                 {"size": args.size, "steps": args.steps, "options": options},
-                timeout_s=1200, threads=1, tag="timeline")  # fmt: skip
+                timeout_s=1200, threads=1, tag="timeline", bind=args.bind_cores)  # fmt: skip
     if "error" in res:
         print(res.get("traceback", res["error"]))
         return 1
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no collective went through boost's start/wait ops: nothing to time")
         return 1
     a = _analyse(res["per_rank"])
-    t = Table(title=f"BOOST, size {args.size}, tp={args.tp}, {options}: median per step (ms)",
+    bound = ", ranks bound to cores" if args.bind_cores else ""
+    t = Table(title=f"BOOST, size {args.size}, tp={args.tp}, {options}{bound}: median per step (ms)",
               title_justify="left")  # fmt: skip
     for c in ("rank", "step", "collectives", "issuing", "in waits", "of it: peer late (skew)",
               "of it: both issued (transfer)"):  # fmt: skip

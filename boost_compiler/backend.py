@@ -208,13 +208,12 @@ def _lower_with_inductor(
     user_pass = patches.get(
         "post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass
     )
+    # "auto" reaches here unresolved only for a graph of no parallelized model: off
+    overlap = opts.settings["overlap_comm"] is True
     patches["post_grad_custom_post_pass"] = _PostGrad(
-        [p.uuid() for p in ran],
-        opts.settings["collective_wait"],
-        opts.settings["overlap_comm"],
-        user_pass,
+        [p.uuid() for p in ran], opts.settings["collective_wait"], overlap, user_pass
     )
-    if opts.settings["overlap_comm"] and "_post_fusion_custom_pass" not in patches:
+    if overlap and "_post_fusion_custom_pass" not in patches:
         patches["_post_fusion_custom_pass"] = lowering.OverlapSchedule()
         # its peak-memory re-ordering runs after, and would undo the overlap
         patches.setdefault("reorder_for_peak_memory", False)

@@ -44,12 +44,13 @@ SETTINGS: dict[str, Setting] = {
         choices=("auto", "poll", "block"),
     ),
     "overlap_comm": Setting(
-        (bool,),
-        False,
-        "compiled graphs start each all-reduce/all-gather as early and wait for it as late "
-        "as their order allows, so independent work runs while it is in flight "
-        "(boost_compiler/lowering/overlap.py; off by default: measured neutral on CPU gloo, "
-        "whose transfer threads share the cores the overlapped GEMMs run on)",
+        (bool, str),
+        "auto",
+        "compiled graphs start each collective as early and wait for it as late as their "
+        "order allows, so independent work runs while it is in flight "
+        "(boost_compiler/lowering/overlap.py); 'auto': where the waits poll (gloo groups), "
+        "which is where it was measured faster",
+        choices=(True, False, "auto"),
     ),
     "symm_mem_all_reduce": Setting(
         (int,),

@@ -343,3 +343,32 @@ def test_collective_timeline_splits_waits_into_skew_and_transfer() -> None:
     assert r0["transfer"] == pytest.approx(3.0) and r1["transfer"] == pytest.approx(2.5)
     assert r0["issue"] == pytest.approx(0.2) and r0["step"] == pytest.approx(10.0)
     assert out["worst"][0][:2] == (pytest.approx(3.0), 0)  # 3 ms apart: collective 0
+
+
+def affinity(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
+    """Spawned: the cores this rank may run on, and those of a thread it starts (gloo's
+    workers are started after the binding, as this one is)."""
+    import threading
+
+    seen: list[list[int]] = []
+    t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+    t.start()
+    t.join()
+    return {"cores": sorted(os.sched_getaffinity(0)), "thread": seen[0]}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_bind_cores_gives_each_rank_its_own_core() -> None:
+    """``boost bench --bind-cores``: rank r on the r-th core, its threads with it; unbound,
+    every core."""
+    from boost_compiler.bench.harness import rank_cores
+
+    cores = sorted(os.sched_getaffinity(0))
+    res = spawn("tests.test_bench:affinity", 2, {}, timeout_s=120, tag="test", threads=1, bind=True)
+    assert "error" not in res, res.get("traceback")
+    got = [(r["cores"], r["thread"]) for r in res["per_rank"]]
+    assert got == [([cores[0]], [cores[0]]), ([cores[1]], [cores[1]])]
+    free = spawn("tests.test_bench:affinity", 2, {}, timeout_s=120, tag="test", threads=1)
+    assert [r["cores"] for r in free["per_rank"]] == [cores, cores]
+    with pytest.raises(ValueError, match="needs"):
+        rank_cores(len(cores), 1)

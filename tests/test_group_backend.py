@@ -123,3 +123,34 @@ def test_symm_mem_is_decided_by_the_cuda_backend(one_rank: Any) -> None:
     assert patches["_collective.one_shot_all_reduce_threshold_bytes"] == 4096
     with pytest.raises(OptionError, match="moves CUDA tensors with None"):
         _symm_mem_patches(tp, opts)
+
+
+def test_auto_overlap_where_the_waits_poll(one_rank: Any) -> None:
+    """``overlap_comm="auto"`` (the default): on for the collectives gloo moves (CPU
+    tensors), off for NCCL's (CUDA tensors on the CUDA machine's group) and under blocking
+    waits; an explicit ``True``/``False`` stands; ``symm_mem_all_reduce`` on NCCL is not
+    refused for an overlap it does not get."""
+    from boost_compiler.options import BoostOptions
+    from boost_compiler.parallel.runtime import _resolve_overlap
+
+    tp = resolve_group(one_rank("cpu:gloo"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+
+    def overlap(device: torch.device, **options: Any) -> Any:
+        return _resolve_overlap(BoostOptions.parse(options), tp, device).settings["overlap_comm"]
+
+    assert BoostOptions.parse({}).settings["overlap_comm"] == "auto"
+    with _as_on_a_cuda_machine():
+        assert overlap(cpu) is True and overlap(cuda) is False
+        assert overlap(cpu, collective_wait="block") is False
+        assert overlap(cuda, collective_wait="poll") is True
+        assert overlap(cpu, overlap_comm=False) is False and overlap(cuda, overlap_comm=True)
+        import torch.distributed._symmetric_memory as symm
+
+        from boost_compiler.parallel.runtime import _symm_mem_patches
+
+        opts = _resolve_overlap(BoostOptions.parse({"symm_mem_all_reduce": 64}), tp, cuda)
+        with mock.patch.object(symm, "enable_symm_mem_for_group"):
+            assert _symm_mem_patches(tp, opts)
+    with pytest.raises(OptionError, match="overlap_comm"):
+        BoostOptions.parse({"overlap_comm": "sometimes"})

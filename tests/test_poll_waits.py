@@ -23,6 +23,7 @@ BOOST = {
     torch.ops.boost.all_gather_start.default,
     torch.ops.boost.collective_wait.default,
     torch.ops.boost.collective_wait_.default,
+    torch.ops.boost.scatter_wait.default,
 }
 
 
@@ -54,8 +55,9 @@ def _compiled_graphs(wait: str, overlap: bool = True) -> list[dict[str, int]]:
 
 def test_split_graphs_issue_the_same_collectives() -> None:
     """Every all-reduce and all-gather paired with its wait becomes a start and a
-    collective_wait; the reduce-scatter (gloo's completes only inside wait()) keeps torch's
-    wait; with blocking waits and no overlap, torch's collectives stay untouched."""
+    collective_wait; the reduce-scatter keeps torch's wait where gloo does not move it (here
+    a fake group; on gloo: ``test_split_ops_equal_torchs_collectives_on_every_rank``); with
+    blocking waits and no overlap, torch's collectives stay untouched."""
     blocked, split = _compiled_graphs("block", overlap=False), _compiled_graphs("poll")
     # forward and backward, of the decoder block (a region: compile_blocks) and of the rest
     assert len(blocked) == len(split) == 4
@@ -141,6 +143,16 @@ def polled_values(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
         dist.all_gather_single(want, x)
         started = torch.ops.boost.all_gather_start(x, 2, name)
         out["all_gather"] = torch.equal(torch.ops.boost.collective_wait(started, False), want)
+        # a reduce-scatter on gloo: the in-place all-reduce and this rank's chunk of it
+        g = _graph(1, name, FUNCOL.reduce_scatter_tensor.default)
+        next(iter(g.nodes)).meta["val"] = x
+        out["reduce_scatter_split"] = split_collectives(g, "auto")
+        ops = [n.target for n in g.nodes if n.op == "call_function"]
+        out["reduce_scatter_ops"] = [f"{op.namespace}.{op._opname}" for op in ops]
+        want = torch.empty(2, 8, 3)
+        dist.reduce_scatter_single(want, x)
+        (got,) = fx.GraphModule(torch.nn.Module(), g)(x)
+        out["reduce_scatter"] = torch.equal(got, want) and not torch.equal(got, x[2 * rank :][:2])
     # issue 42: torch's deprecation of a call of ours, printed to every user
     out["warnings"] = [str(w.message) for w in caught if w.category is FutureWarning]
     return out
@@ -151,7 +163,10 @@ def test_split_ops_equal_torchs_collectives_on_every_rank() -> None:
     assert "error" not in res, res.get("traceback")
     for r in res["per_rank"]:
         assert r == {"rank": r["rank"], "auto_polls_gloo": True, "sum": True, "max": True,
-                     "all_gather": True, "warnings": []}, r  # fmt: skip
+                     "all_gather": True, "reduce_scatter_split": 1,
+                     "reduce_scatter_ops": ["aten.clone", "boost.all_reduce_start_",
+                                            "boost.scatter_wait"],
+                     "reduce_scatter": True, "warnings": []}, r  # fmt: skip
 
 
 @pytest.mark.parametrize("wait", ["sideways"])
@@ -192,6 +207,8 @@ def test_reorder_starts_early_waits_late_dependencies_kept() -> None:
     # the all-reduce's in-place pair: the same order
     in_place = [torch.ops.boost.all_reduce_start_.default, torch.ops.boost.collective_wait_.default]
     nodes[3].node.op_overload, nodes[4].node.op_overload = in_place
+    assert [n.name for n in reorder(nodes)] == order
+    nodes[4].node.op_overload = torch.ops.boost.scatter_wait.default  # gloo's reduce-scatter
     assert [n.name for n in reorder(nodes)] == order
     no_wait = [n for n in nodes if n.name not in ("start", "wait")]
     assert reorder(no_wait) == no_wait  # nothing to overlap: Inductor's order stands

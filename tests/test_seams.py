@@ -19,7 +19,7 @@ CASES = {
     "checkpoint_full": {"checkpoint": "full"},
     "online_norm_off": {"online_norm": False},
     "group_linears_off": {"group_linears": False},
-    "overlap_comm": {"overlap_comm": True},
+    "overlap_comm_off": {"overlap_comm": False},  # on by default here (gloo: "auto")
     "compile_blocks_off": {"compile_blocks": False},
 }
 #: Backward collectives of the 2-layer model with the default passes: each layer's 4 (3r,

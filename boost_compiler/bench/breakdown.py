@@ -57,7 +57,7 @@ COMM_NAMES = frozenset({
     # boost's own start/wait pairs (boost_compiler/lowering/poll_waits.py) and the pipeline
     # stages' sharded boundary (an all-gather: boost_compiler/tp/shard_boundary.py)
     "boost::all_reduce_start_", "boost::all_gather_start", "boost::collective_wait",
-    "boost::collective_wait_",
+    "boost::collective_wait_", "boost::scatter_wait",
     "boost::from_tp_shards",
 })  # fmt: skip
 # compiled graphs: their fused kernels run inside this event and record none of their own

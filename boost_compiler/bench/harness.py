@@ -293,8 +293,11 @@ def _entry(
     timeout_s: float,
     threads: int,
     log_file: str | None = None,
+    bind: bool = False,
 ) -> None:
     """Child process: set threads, join the gloo group, run ``target``, write its JSON."""
+    if bind:  # before any thread exists: OpenMP's pool and gloo's workers inherit the set
+        os.sched_setaffinity(0, rank_cores(rank, threads))
     if log_file:  # the children's chatter (warnings, profiler lines) goes to a log, not the table
         fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         sys.stdout.flush()
@@ -337,6 +340,20 @@ def _entry(
                 dist.destroy_process_group()
 
 
+def rank_cores(rank: int, threads: int) -> set[int]:
+    """The cores rank ``rank`` is bound to: the ``threads`` after the lower ranks', from the
+    cores this process may use (``torch.backends.xeon.run_cpu``'s layout, one instance per
+    rank). Raises ValueError when the ranks need more cores than there are."""
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[rank * threads : (rank + 1) * threads]
+    if len(mine) < threads:
+        raise ValueError(
+            f"binding rank {rank} to {threads} core(s) needs {(rank + 1) * threads}; "
+            f"this process may use {len(cores)}"
+        )
+    return set(mine)
+
+
 def spawn(
     target: str,
     world: int,
@@ -346,6 +363,7 @@ def spawn(
     threads: int | None = None,
     tag: str = "run",
     log_dir: str | Path | None = None,
+    bind: bool = False,
 ) -> dict[str, Any]:
     """Run ``target`` (``"module:function"``) on ``world`` fresh processes; rank 0's result.
 
@@ -353,7 +371,8 @@ def spawn(
     pick (other jobs may run on this machine), fresh dynamo/Inductor state for every system,
     a hard timeout, and results back as JSON files. ``threads`` per process default to the
     cores divided among the ranks. With ``log_dir``, each rank's stdout/stderr go to
-    ``<log_dir>/<tag>.rank<r>.log``. A failure on any rank comes back as ``error`` /
+    ``<log_dir>/<tag>.rank<r>.log``. ``bind``: rank ``r`` runs on its own ``threads`` cores
+    (:func:`rank_cores`), its collectives' threads with it. A failure on any rank comes back as ``error`` /
     ``traceback`` / ``failed_rank``; ``per_rank`` holds every rank's result.
     """
     import torch.multiprocessing as mp
@@ -376,6 +395,7 @@ def spawn(
                     timeout_s,
                     threads,
                     str(Path(log_dir, f"{tag}.rank{r}.log")) if log_dir else None,
+                    bind,
                 ),  # fmt: skip
                 daemon=False,
             )

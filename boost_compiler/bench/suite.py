@@ -23,12 +23,12 @@ timed in interleaved rounds (``training.py``), so a drifting background load hit
                      same compile, ``--tp`` processes.
 ``inductor``         the low-rank model on one process, ``torch.compile(model)``.
 ``eager``            the low-rank model on one process, eager.
-``boost-block``, ``boost-overlap``, ``boost-whole`` (not in the defaults): BOOST with
-                     torch's blocking collective waits instead of polled ones, with
-                     communication overlapped with compute (options ``collective_wait``,
-                     ``overlap_comm``), or compiled as one graph instead of per block
-                     (``parallelize(..., options={"compile_blocks": False})``): each
-                     lever on and off in the same run.
+``boost-block``, ``boost-no-overlap``, ``boost-whole`` (not in the defaults): BOOST with
+                     torch's blocking collective waits instead of polled ones (which also
+                     turns the overlap off), without communication overlapped with compute
+                     (options ``collective_wait``, ``overlap_comm``), or compiled as one graph
+                     instead of per block (``parallelize(..., options={"compile_blocks":
+                     False})``): each lever on and off in the same run.
 ``dtensor-lowrank-nosp``, ``dtensor-dense-nosp`` (not in the defaults): the previous
                      baselines, Megatron in the blocks only (embedding, norms, head and the
                      full logits and loss replicated), ``torch.compile(model)``.
@@ -137,6 +137,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
     p.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="bind each process to its own cores (rank r: the r-th share of cores/tp; a "
+        "single process: the first share), as torch.backends.xeon.run_cpu binds instances",
+    )
+    p.add_argument(
         "--timeout", type=float, default=3600, help="seconds per group (all sizes) before kill"
     )
 
@@ -151,6 +157,8 @@ def _check(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
     for s in systems:
         if s not in SYSTEMS:
             raise ValueError(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if args.bind_cores and args.tp > len(os.sched_getaffinity(0)):
+        raise ValueError(f"--bind-cores: {args.tp} processes need {args.tp} cores or more")
     if args.steps < 1 or args.warmup < 1:
         raise ValueError("--steps and --warmup must be >= 1 (the first warm-up step compiles)")
     from .gemm import SCALES
@@ -270,6 +278,7 @@ def _run_systems(
                 {"systems": members, "specs": specs, "steps": args.steps, "warmup": args.warmup,
                  "breakdown_steps": BREAKDOWN_STEPS if args.breakdown else 0},
                 timeout_s=args.timeout, threads=threads, tag=tag, log_dir=out / "logs",
+                bind=args.bind_cores,
             )  # fmt: skip
         results.update(split_group(res, members))
         for system in members:

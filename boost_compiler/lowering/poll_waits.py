@@ -7,11 +7,13 @@ place). An all-reduce reduces in place into a fresh clone of its input
 (``boost::all_reduce_start_``; ``boost::collective_wait_``, both declared mutations of the
 clone, which the wait's readers read): no copy but the clone, which Inductor fuses into the
 kernel computing the input, as in its own lowering of an all-reduce. An all-gather writes
-a new tensor (``boost::all_gather_start``; ``boost::collective_wait`` returns it).
-Anything else (a collective with other users, an unknown reduce op, a reduce-scatter:
-gloo's emulated one completes only inside ``wait()``; without ``overlap_comm``, one that
-would not be polled) is left as it was. Where the wait then goes is :mod:`.overlap`'s
-business.
+a new tensor (``boost::all_gather_start``; ``boost::collective_wait`` returns it). A
+reduce-scatter on gloo, which gloo runs as an all-reduce of the whole input and a copy of
+the rank's chunk inside ``wait()`` (so it cannot be polled), becomes that: the in-place
+all-reduce and ``boost::scatter_wait``, which copies the chunk out (the same bytes on the
+wire and the same copy). Anything else (a collective with other users, an unknown reduce
+op, a reduce-scatter that gloo does not move; without ``overlap_comm``, one that would not
+be polled) is left as it was. Where the wait then goes is :mod:`.overlap`'s business.
 
 Why: ``wait_tensor`` blocks on a condition variable. With gloo on a machine of a few cores
 (a VM's vCPUs) the waiting core goes idle, and the wake-up when the peer's data arrives
@@ -125,16 +127,38 @@ def _(x: torch.Tensor, poll: bool) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("boost::scatter_wait", mutates_args=())
+def scatter_wait(x: torch.Tensor, poll: bool, group_size: int, group_name: str) -> torch.Tensor:
+    """Complete the all-reduce :func:`all_reduce_start_` issued on ``x`` and return this
+    rank's ``1/group_size`` of it along dim 0: a reduce-scatter as gloo runs one (gloo's
+    ``reduce_scatter_tensor`` all-reduces the whole input and copies the rank's chunk out
+    when waited for, which is why it cannot be polled). The rank is read from the group
+    when the op runs, not baked into the graph, so ranks may share compiled code."""
+    work = _PENDING.pop(_key(x), None)
+    if work is None:
+        raise RuntimeError("boost::scatter_wait: no collective in flight for this tensor")
+    _complete(work, poll)
+    chunk = x.chunk(group_size)[_group(group_name).rank()]
+    return chunk.clone(memory_format=torch.contiguous_format)
+
+
+@scatter_wait.register_fake
+def _(x: torch.Tensor, poll: bool, group_size: int, group_name: str) -> torch.Tensor:
+    return x.new_empty((x.shape[0] // group_size, *x.shape[1:]))
+
+
 # functional collective -> (its start op, position of its reduce op among the arguments)
 STARTS = {
     _FUNCOL.all_reduce.default: (torch.ops.boost.all_reduce_start_.default, 1),
     _FUNCOL.all_gather_into_tensor.default: (torch.ops.boost.all_gather_start.default, None),
+    _FUNCOL.reduce_scatter_tensor.default: (torch.ops.boost.all_reduce_start_.default, 1),
 }
 # the start ops that reduce in place into their first argument, with their wait
 IN_PLACE = frozenset({torch.ops.boost.all_reduce_start_.default})
 WAIT = torch.ops.boost.collective_wait.default
 WAIT_IN_PLACE = torch.ops.boost.collective_wait_.default
-WAITS = frozenset({WAIT, WAIT_IN_PLACE})
+SCATTER_WAIT = torch.ops.boost.scatter_wait.default
+WAITS = frozenset({WAIT, WAIT_IN_PLACE, SCATTER_WAIT})
 
 
 def polls(group_name: str, mode: str, device: torch.device | None = None) -> bool:
@@ -179,7 +203,11 @@ def split_collectives(graph: fx.Graph, mode: str = "auto", split_blocking: bool 
         poll = polls(node.args[-1], mode, _device(node))
         if not (poll or split_blocking):
             continue
-        if start_op in IN_PLACE:
+        if node.target is _FUNCOL.reduce_scatter_tensor.default:
+            if not _on_gloo(node):  # elsewhere a reduce-scatter is its own, cheaper collective
+                continue
+            new = _scatter(graph, node, wait, poll)
+        elif start_op in IN_PLACE:
             new = _in_place(graph, node, wait, start_op, poll)
         else:
             with graph.inserting_before(node):
@@ -192,6 +220,37 @@ def split_collectives(graph: fx.Graph, mode: str = "auto", split_blocking: bool 
         graph.erase_node(wait)
         graph.erase_node(node)
         done += 1
+    return done
+
+
+def _on_gloo(node: fx.Node) -> bool:
+    """Whether gloo moves the tensor of the collective ``node`` (a live group only)."""
+    from ..device import group_backend
+
+    device = _device(node)
+    try:
+        return device is not None and group_backend(_group(node.args[-1]), device) == "gloo"
+    except (RuntimeError, ValueError, KeyError):
+        return False
+
+
+def _scatter(graph: fx.Graph, node: fx.Node, wait: fx.Node, poll: bool) -> fx.Node:
+    """A gloo reduce-scatter as gloo runs it, with a wait that polls: the in-place
+    all-reduce of :func:`_in_place` on a clone of the input, and :func:`scatter_wait`
+    returning this rank's chunk of it (the copy gloo's own wait makes)."""
+    x, reduce_op, group_size, group_name = node.args
+    with graph.inserting_before(node):
+        buf = graph.call_function(
+            torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
+        )
+        start = graph.call_function(STARTS[node.target][0], (buf, reduce_op, group_name))
+    with graph.inserting_before(wait):
+        done = graph.call_function(SCATTER_WAIT, (buf, poll, group_size, group_name))
+    buf.meta = {k: v for k, v in _meta(node).items() if k != "val"}
+    if isinstance(x, fx.Node) and "val" in x.meta:
+        buf.meta["val"] = _contiguous(x.meta["val"])
+    start.meta = {k: v for k, v in _meta(node).items() if k != "val"}
+    done.meta = _meta(wait)
     return done
 
 
@@ -215,6 +274,17 @@ def _in_place(graph: fx.Graph, node: fx.Node, wait: fx.Node, start_op: Any, poll
     with graph.inserting_before(wait):
         done = graph.call_function(WAIT_IN_PLACE, (buf, poll))
     buf.meta = _meta(node)
+    if "val" in buf.meta:
+        buf.meta["val"] = _contiguous(buf.meta["val"])
     start.meta = {k: v for k, v in _meta(node).items() if k != "val"}
     done.meta = {k: v for k, v in _meta(wait).items() if k != "val"}
     return buf
+
+
+def _contiguous(val: Any) -> Any:
+    """The recorded value of a contiguous clone of ``val``. Inductor gives a custom op's
+    inputs the strides their nodes record, and the collective needs a contiguous buffer
+    (gloo refuses others); a traced value is a fake tensor, cloned in its own mode."""
+    if not isinstance(val, torch.Tensor) or val.is_contiguous():
+        return val
+    return val.clone(memory_format=torch.contiguous_format)

@@ -42,7 +42,7 @@ def inductor_patches(
         raise OptionError(
             "boost option 'symm_mem_all_reduce' lowers torch's all-reduces, which "
             "collective_wait='poll' and overlap_comm=True split into start and wait first; "
-            "use collective_wait='auto' or 'block' and overlap_comm=False with it"
+            "use collective_wait='auto' or 'block' and overlap_comm='auto' or False with it"
         )
     if backend == "nccl":
         import warnings

@@ -10,6 +10,7 @@ backend: ``parallelize`` compiles its shadow through ``boost_backend``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch.fx as fx
 from ..backend import _lower_with_inductor, register_parallel_compile
 from ..errors import ShardingError
 from ..ir.placeholder import current_local, placeholder_record
-from ..lowering import symm_mem
+from ..lowering import polls, symm_mem
 from ..options import BoostOptions
 from ..passes import BoostPass
 
@@ -39,6 +40,7 @@ def compile_parallel(
     ``tp`` is their group.
     """
     local_inputs = _local_example_inputs(example_inputs, shards)
+    opts = _resolve_overlap(opts, tp, local_inputs[min(shards)].device)
     if opts.settings["lowering"] == "eager":
         fn: Callable[..., Any] = gm.forward
     elif opts.settings["compile_in_turns"]:
@@ -127,6 +129,17 @@ def _with_local_shards(fn: Callable[..., Any], positions: list[int], tp: Any) ->
     return run
 
 
+def _resolve_overlap(opts: BoostOptions, tp: Any, device: torch.device) -> BoostOptions:
+    """``overlap_comm="auto"`` made ``True`` where the group's collectives of ``device``'s
+    tensors are polled (``lowering.polls``: gloo, unless ``collective_wait`` says otherwise),
+    ``False`` elsewhere: on NCCL a collective is a stream dependency, not a sleeping core,
+    and Inductor's peak-memory re-ordering, which the overlap turns off, stays on."""
+    if opts.settings["overlap_comm"] != "auto":
+        return opts
+    on = polls(tp.name, opts.settings["collective_wait"], device)
+    return dataclasses.replace(opts, settings={**opts.settings, "overlap_comm": on})
+
+
 def _symm_mem_patches(tp: Any, opts: BoostOptions) -> dict[str, Any]:
     """Option ``symm_mem_all_reduce`` on the group ``tp`` (``lowering/symm_mem.py``)."""
     if not opts.settings["symm_mem_all_reduce"]:
@@ -139,7 +152,7 @@ def _symm_mem_patches(tp: Any, opts: BoostOptions) -> dict[str, Any]:
     # symmetric memory is CUDA memory: what counts is the backend of the CUDA tensors
     return symm_mem.inductor_patches(
         tp.name, group_backend(pg, "cuda"), opts.settings["symm_mem_all_reduce"],
-        opts.settings["collective_wait"], opts.settings["overlap_comm"],
+        opts.settings["collective_wait"], opts.settings["overlap_comm"] is True,
     )  # fmt: skip
 
 
