@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from boost_compiler.bench.harness import spawn
+    from boost_compiler.bench.suite import THP
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--size", default="large")
@@ -153,14 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     # "block" leaves torch's collectives unsplit, which this script cannot see
     ap.add_argument("--wait", default="auto", choices=("auto", "poll"))
-    ap.add_argument("--overlap", action="store_true", help="option overlap_comm=True")
+    ap.add_argument("--overlap", default="auto", choices=("auto", "on", "off"),
+                    help="option overlap_comm (auto: the default, on for gloo)")  # fmt: skip
     ap.add_argument("--verbose", action="store_true", help="each collective's median wait")
     ap.add_argument("--bind-cores", action="store_true", help="each rank on its own core")
+    ap.add_argument("--thp", action=argparse.BooleanOptionalAction, default=True,
+                    help="THP_MEM_ALLOC_ENABLE=1, as boost bench (--no-thp: 4 KiB pages)")  # fmt: skip
     args = ap.parse_args(argv)
-    options = {"collective_wait": args.wait, "overlap_comm": args.overlap}
+    overlap = {"auto": "auto", "on": True, "off": False}[args.overlap]
+    options = {"collective_wait": args.wait, "overlap_comm": overlap}
     res = spawn("benchmarks.collective_timeline:measure", args.tp,
                 {"size": args.size, "steps": args.steps, "options": options},
-                timeout_s=1200, threads=1, tag="timeline", bind=args.bind_cores)  # fmt: skip
+                timeout_s=1200, threads=1, tag="timeline", bind=args.bind_cores,
+                env=THP if args.thp else None)  # fmt: skip
     if "error" in res:
         print(res.get("traceback", res["error"]))
         return 1
@@ -168,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no collective went through boost's start/wait ops: nothing to time")
         return 1
     a = _analyse(res["per_rank"])
-    bound = ", ranks bound to cores" if args.bind_cores else ""
+    bound = (", ranks bound to cores" if args.bind_cores else "") + ("" if args.thp else ", no THP")
     t = Table(title=f"BOOST, size {args.size}, tp={args.tp}, {options}{bound}: median per step (ms)",
               title_justify="left")  # fmt: skip
     for c in ("rank", "step", "collectives", "issuing", "in waits", "of it: peer late (skew)",

@@ -45,6 +45,7 @@ all-to-all, times the group size for all-gather (= the gathered tensor).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -53,7 +54,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -340,6 +341,21 @@ def _entry(
                 dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``env`` set, restored after: what spawned children inherit."""
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def rank_cores(rank: int, threads: int) -> set[int]:
     """The cores rank ``rank`` is bound to: the ``threads`` after the lower ranks', from the
     cores this process may use (``torch.backends.xeon.run_cpu``'s layout, one instance per
@@ -364,6 +380,7 @@ def spawn(
     tag: str = "run",
     log_dir: str | Path | None = None,
     bind: bool = False,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``target`` (``"module:function"``) on ``world`` fresh processes; rank 0's result.
 
@@ -372,7 +389,8 @@ def spawn(
     a hard timeout, and results back as JSON files. ``threads`` per process default to the
     cores divided among the ranks. With ``log_dir``, each rank's stdout/stderr go to
     ``<log_dir>/<tag>.rank<r>.log``. ``bind``: rank ``r`` runs on its own ``threads`` cores
-    (:func:`rank_cores`), its collectives' threads with it. A failure on any rank comes back as ``error`` /
+    (:func:`rank_cores`), its collectives' threads with it. ``env``: variables the
+    processes start with (read by torch at its import, as ``THP_MEM_ALLOC_ENABLE``). A failure on any rank comes back as ``error`` /
     ``traceback`` / ``failed_rank``; ``per_rank`` holds every rank's result.
     """
     import torch.multiprocessing as mp
@@ -401,8 +419,9 @@ def spawn(
             )
             for r in range(world)
         ]
-        for p in procs:
-            p.start()
+        with _environment(env or {}):
+            for p in procs:
+                p.start()
         error = _wait(procs, t0 + timeout_s, timeout_s)
         per_rank = []
         for r, f in enumerate(outs):

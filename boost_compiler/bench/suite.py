@@ -48,7 +48,12 @@ CPU analogue of one GPU per rank); the single-process systems get the same (one 
 ``--single-threads`` changes that. Why not all cores for them: Inductor's and ATen's
 OpenMP regions are fine-grained, and on a shared machine with other jobs running a 2-thread
 process stalls at every barrier (measured here: 6.5 ms/step on one thread, 20-1300 ms on
-two), which would measure the neighbours, not the system.
+two), which would measure the neighbours, not the system. Memory: every process starts with
+``THP_MEM_ALLOC_ENABLE=1`` (``--no-thp`` drops it), PyTorch's CPU tuning switch that backs
+tensors of 2 MiB and more with transparent huge pages: without it each step's fresh large
+buffers (the ``[N, V/p]`` logits and their gradient, 65 MB at V=32,000) are faulted in 4 KiB
+at a time, which on this VM took 50-200 ms more on one rank than on the other in the same
+step (``benchmarks/collective_timeline.py``), charged to the peer as waiting.
 
 Communication: one extra step of each tensor-parallel system under ``torch.profiler``; every
 ``gloo:*`` event counted (``harness.count_collectives``). Next to each measured figure: the
@@ -96,6 +101,7 @@ __all__ = [
 ]  # fmt: skip
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # in a source checkout: its git commit
+THP = {"THP_MEM_ALLOC_ENABLE": "1"}  # --thp: torch reads it once, at its first allocation
 DEFAULT_GEMM_SCALES = ("small", "large", "xl")
 BREAKDOWN_STEPS = 5  # profiled steps per system; the one of median wall time is split
 
@@ -136,6 +142,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"optimizer and overhead, from {BREAKDOWN_STEPS} more profiled steps (bench/breakdown.py)",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG charts")
+    p.add_argument(
+        "--thp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every system's processes start with THP_MEM_ALLOC_ENABLE=1: torch's CPU "
+        "allocator backs tensors of 2 MiB and more with transparent huge pages (PyTorch's "
+        "CPU tuning guide), so a step's fresh large buffers are not faulted in 4 KiB at a time",
+    )
     p.add_argument(
         "--bind-cores",
         action="store_true",
@@ -278,7 +292,7 @@ def _run_systems(
                 {"systems": members, "specs": specs, "steps": args.steps, "warmup": args.warmup,
                  "breakdown_steps": BREAKDOWN_STEPS if args.breakdown else 0},
                 timeout_s=args.timeout, threads=threads, tag=tag, log_dir=out / "logs",
-                bind=args.bind_cores,
+                bind=args.bind_cores, env=THP if args.thp else None,
             )  # fmt: skip
         results.update(split_group(res, members))
         for system in members:
