@@ -121,6 +121,24 @@ def test_only_a_collective_whose_one_user_is_its_wait_is_split() -> None:
         assert order.index(clone) < order.index(start) < order.index(wait) < order.index(out)
 
 
+def test_an_all_gather_sends_a_buffer_no_kernel_can_reuse_before_its_wait() -> None:
+    """gloo reads an all-gather's input until the wait: the start is given a clone that
+    only it and the wait read, so Inductor keeps the buffer, unwritten, until the wait
+    (red before: a backward's weight-gradient GEMM, scheduled between start and wait,
+    was written into the input buffer Inductor had freed after the start, and the peer
+    received it; tests/test_expert_parallel.py's checkpoint case, 0.99 off)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    gathered = g.call_function(FUNCOL.all_gather_into_tensor.default, (x, 2, "g"))
+    g.output(g.call_function(FUNCOL.wait_tensor.default, (gathered,)))
+    assert split_collectives(g, "poll") == 1
+    clone, start, wait = [n for n in g.nodes if n.op == "call_function"]
+    assert clone.target is torch.ops.aten.clone.default and clone.args == (x,)
+    assert start.target is torch.ops.boost.all_gather_start.default
+    assert start.args == (clone, 2, "g") and wait.args == (start, True, clone)
+    assert set(clone.users) == {start, wait} and set(x.users) == {clone}
+
+
 def polled_values(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
     """Spawned (gloo): each polled op against torch's own collective on the same inputs."""
     from boost_compiler.lowering.poll_waits import polls
@@ -142,7 +160,8 @@ def polled_values(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
         want = torch.empty(8, 8, 3)
         dist.all_gather_single(want, x)
         started = torch.ops.boost.all_gather_start(x, 2, name)
-        out["all_gather"] = torch.equal(torch.ops.boost.collective_wait(started, False), want)
+        done = torch.ops.boost.collective_wait(started, False, x)
+        out["all_gather"] = torch.equal(done, want)
         # a reduce-scatter on gloo: the in-place all-reduce and this rank's chunk of it
         g = _graph(1, name, FUNCOL.reduce_scatter_tensor.default)
         next(iter(g.nodes)).meta["val"] = x

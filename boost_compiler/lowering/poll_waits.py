@@ -7,7 +7,11 @@ place). An all-reduce reduces in place into a fresh clone of its input
 (``boost::all_reduce_start_``; ``boost::collective_wait_``, both declared mutations of the
 clone, which the wait's readers read): no copy but the clone, which Inductor fuses into the
 kernel computing the input, as in its own lowering of an all-reduce. An all-gather writes
-a new tensor (``boost::all_gather_start``; ``boost::collective_wait`` returns it). A
+a new tensor (``boost::all_gather_start``; ``boost::collective_wait`` returns it) from a
+fresh clone of its input, which the wait reads too: gloo reads the input until the wait,
+and a buffer no kernel writes and that lives until then cannot be reused by the work
+scheduled in between (torch's own wait kernel lists its collective's inputs as reads for
+the same reason). A
 reduce-scatter on gloo, which gloo runs as an all-reduce of the whole input and a copy of
 the rank's chunk inside ``wait()`` (so it cannot be polled), becomes that: the in-place
 all-reduce and ``boost::scatter_wait``, which copies the chunk out (the same bytes on the
@@ -95,7 +99,8 @@ def collective_wait_(x: torch.Tensor, poll: bool) -> None:
 @torch.library.custom_op("boost::all_gather_start", mutates_args=())
 def all_gather_start(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Issue ``_c10d_functional.all_gather_into_tensor`` (the ranks' inputs stacked on dim 0);
-    read it through :func:`collective_wait` only."""
+    read it through :func:`collective_wait` only, which must also be given ``x``: gloo
+    reads ``x`` until then."""
     import torch.distributed as dist
 
     out = x.new_empty((x.shape[0] * group_size, *x.shape[1:]))
@@ -112,9 +117,12 @@ def _(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
 
 
 @torch.library.custom_op("boost::collective_wait", mutates_args=())
-def collective_wait(x: torch.Tensor, poll: bool) -> torch.Tensor:
+def collective_wait(x: torch.Tensor, poll: bool, sent: torch.Tensor) -> torch.Tensor:
     """The completed result of the start that returned ``x`` (a copy: an op's output may
-    not alias its input)."""
+    not alias its input). ``sent``, the start's input, is only read: so that Inductor
+    keeps its buffer, which gloo may still be sending, from the work scheduled between
+    start and wait (measured: an overlapped all-gather's input reused by a kernel in
+    between sent that kernel's values, silently, to the peer)."""
     work = _PENDING.pop(_key(x), None)
     if work is None:
         raise RuntimeError("boost::collective_wait: no collective in flight for this tensor")
@@ -123,7 +131,7 @@ def collective_wait(x: torch.Tensor, poll: bool) -> torch.Tensor:
 
 
 @collective_wait.register_fake
-def _(x: torch.Tensor, poll: bool) -> torch.Tensor:
+def _(x: torch.Tensor, poll: bool, sent: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -210,12 +218,7 @@ def split_collectives(graph: fx.Graph, mode: str = "auto", split_blocking: bool 
         elif start_op in IN_PLACE:
             new = _in_place(graph, node, wait, start_op, poll)
         else:
-            with graph.inserting_before(node):
-                start = graph.call_function(start_op, tuple(node.args))
-            with graph.inserting_before(wait):
-                new = graph.call_function(WAIT, (start, poll))
-            start.meta = _meta(node)
-            new.meta = _meta(wait)
+            new = _out_of_place(graph, node, wait, start_op, poll)
         wait.replace_all_uses_with(new)
         graph.erase_node(wait)
         graph.erase_node(node)
@@ -252,6 +255,26 @@ def _scatter(graph: fx.Graph, node: fx.Node, wait: fx.Node, poll: bool) -> fx.No
     start.meta = {k: v for k, v in _meta(node).items() if k != "val"}
     done.meta = _meta(wait)
     return done
+
+
+def _out_of_place(
+    graph: fx.Graph, node: fx.Node, wait: fx.Node, start_op: Any, poll: bool
+) -> fx.Node:
+    """``clone(x)``, the start reading it and the wait reading it too (see the module
+    docstring): the node the wait's readers read instead."""
+    x, *rest = node.args
+    with graph.inserting_before(node):
+        sent = graph.call_function(
+            torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
+        )
+        start = graph.call_function(start_op, (sent, *rest))
+    with graph.inserting_before(wait):
+        new = graph.call_function(WAIT, (start, poll, sent))
+    if isinstance(x, fx.Node) and "val" in x.meta:
+        sent.meta = {**_meta(node), "val": _contiguous(x.meta["val"])}
+    start.meta = _meta(node)
+    new.meta = _meta(wait)
+    return new
 
 
 def _meta(node: fx.Node) -> dict[str, Any]:
