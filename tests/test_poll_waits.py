@@ -168,6 +168,8 @@ def polled_values(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
         out["reduce_scatter_split"] = split_collectives(g, "auto")
         ops = [n.target for n in g.nodes if n.op == "call_function"]
         out["reduce_scatter_ops"] = [f"{op.namespace}.{op._opname}" for op in ops]
+        _, start, wait = [n for n in g.nodes if n.op == "call_function"]
+        out["reduce_scatter_wait_reads_the_buffer"] = wait.args[0] is start.args[0]
         want = torch.empty(2, 8, 3)
         dist.reduce_scatter_single(want, x)
         (got,) = fx.GraphModule(torch.nn.Module(), g)(x)
@@ -185,6 +187,7 @@ def test_split_ops_equal_torchs_collectives_on_every_rank() -> None:
                      "all_gather": True, "reduce_scatter_split": 1,
                      "reduce_scatter_ops": ["aten.clone", "boost.all_reduce_start_",
                                             "boost.scatter_wait"],
+                     "reduce_scatter_wait_reads_the_buffer": True,
                      "reduce_scatter": True, "warnings": []}, r  # fmt: skip
 
 

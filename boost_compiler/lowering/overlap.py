@@ -8,7 +8,10 @@ nodes that feed a start not yet issued, then the rest in Inductor's order, and a
 ``boost::collective_wait`` last (only once nothing else can run). So the work that does
 not depend on a collective (in backward, the weight-gradient GEMMs beside a down factor's
 input-gradient all-reduce) runs while it is in flight. Every rank orders the same graph
-the same way, so collectives are issued in one order on all ranks.
+the same way, so collectives are issued in one order on all ranks. The work moved in
+between cannot be given a buffer the collective still reads or writes: each wait reads
+its start's buffers (:mod:`.poll_waits`), so Inductor keeps them, for the collective
+alone, until the wait.
 
 It runs on Inductor's scheduler nodes after fusion (``_post_fusion_custom_pass``), not on
 the FX graph: fusion sorts its fused kernels by their earliest member, which pulls a wait
