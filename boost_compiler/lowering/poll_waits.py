@@ -237,21 +237,32 @@ def _on_gloo(node: fx.Node) -> bool:
         return False
 
 
-def _scatter(graph: fx.Graph, node: fx.Node, wait: fx.Node, poll: bool) -> fx.Node:
-    """A gloo reduce-scatter as gloo runs it, with a wait that polls: the in-place
-    all-reduce of :func:`_in_place` on a clone of the input, and :func:`scatter_wait`
-    returning this rank's chunk of it (the copy gloo's own wait makes)."""
-    x, reduce_op, group_size, group_name = node.args
+def _start_on_clone(
+    graph: fx.Graph, node: fx.Node, start_op: Any, *rest: Any
+) -> tuple[fx.Node, fx.Node]:
+    """``clone(x)`` of the collective ``node``'s input and ``start_op(clone, *rest)``, at
+    its place: the buffer that only the start, its wait and (for an in-place reduction) the
+    wait's readers touch, contiguous as gloo needs it."""
+    x = node.args[0]
     with graph.inserting_before(node):
         buf = graph.call_function(
             torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
         )
-        start = graph.call_function(STARTS[node.target][0], (buf, reduce_op, group_name))
-    with graph.inserting_before(wait):
-        done = graph.call_function(SCATTER_WAIT, (buf, poll, group_size, group_name))
+        start = graph.call_function(start_op, (buf, *rest))
     buf.meta = {k: v for k, v in _meta(node).items() if k != "val"}
     if isinstance(x, fx.Node) and "val" in x.meta:
         buf.meta["val"] = _contiguous(x.meta["val"])
+    return buf, start
+
+
+def _scatter(graph: fx.Graph, node: fx.Node, wait: fx.Node, poll: bool) -> fx.Node:
+    """A gloo reduce-scatter as gloo runs it, with a wait that polls: the in-place
+    all-reduce of :func:`_in_place` on a clone of the input, and :func:`scatter_wait`
+    returning this rank's chunk of it (the copy gloo's own wait makes)."""
+    _, reduce_op, group_size, group_name = node.args
+    buf, start = _start_on_clone(graph, node, STARTS[node.target][0], reduce_op, group_name)
+    with graph.inserting_before(wait):
+        done = graph.call_function(SCATTER_WAIT, (buf, poll, group_size, group_name))
     start.meta = {k: v for k, v in _meta(node).items() if k != "val"}
     done.meta = _meta(wait)
     return done
@@ -262,16 +273,9 @@ def _out_of_place(
 ) -> fx.Node:
     """``clone(x)``, the start reading it and the wait reading it too (see the module
     docstring): the node the wait's readers read instead."""
-    x, *rest = node.args
-    with graph.inserting_before(node):
-        sent = graph.call_function(
-            torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
-        )
-        start = graph.call_function(start_op, (sent, *rest))
+    sent, start = _start_on_clone(graph, node, start_op, *node.args[1:])
     with graph.inserting_before(wait):
         new = graph.call_function(WAIT, (start, poll, sent))
-    if isinstance(x, fx.Node) and "val" in x.meta:
-        sent.meta = {**_meta(node), "val": _contiguous(x.meta["val"])}
     start.meta = _meta(node)
     new.meta = _meta(wait)
     return new
@@ -288,17 +292,9 @@ def _in_place(graph: fx.Graph, node: fx.Node, wait: fx.Node, start_op: Any, poll
     value aliases (what torch's own Inductor lowering of an all-reduce does: Inductor
     fuses the copy into the kernel that computes ``x``), so neither start nor wait copies,
     where the out-of-place pair copied the payload twice."""
-    x, *rest = node.args
-    with graph.inserting_before(node):
-        buf = graph.call_function(
-            torch.ops.aten.clone.default, (x,), {"memory_format": torch.contiguous_format}
-        )
-        start = graph.call_function(start_op, (buf, *rest))
+    buf, start = _start_on_clone(graph, node, start_op, *node.args[1:])
     with graph.inserting_before(wait):
         done = graph.call_function(WAIT_IN_PLACE, (buf, poll))
-    buf.meta = _meta(node)
-    if "val" in buf.meta:
-        buf.meta["val"] = _contiguous(buf.meta["val"])
     start.meta = {k: v for k, v in _meta(node).items() if k != "val"}
     done.meta = {k: v for k, v in _meta(wait).items() if k != "val"}
     return buf
