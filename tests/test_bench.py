@@ -355,13 +355,16 @@ def affinity(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
     t.start()
     t.join()
     return {"cores": sorted(os.sched_getaffinity(0)), "thread": seen[0],
-            "thp": os.environ.get("THP_MEM_ALLOC_ENABLE")}  # fmt: skip
+            "thp": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+            "mmap_max": os.environ.get("MALLOC_MMAP_MAX_")}  # fmt: skip
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
 def test_bind_cores_gives_each_rank_its_own_core() -> None:
     """``boost bench --bind-cores``: rank r on the r-th core, its threads with it; unbound,
-    every core. ``--thp``: the environment the processes start with."""
+    every core. ``--thp`` and ``--heap-reuse``: the environment the processes start with."""
+    import argparse
+
     from boost_compiler.bench.harness import rank_cores
 
     cores = sorted(os.sched_getaffinity(0))
@@ -369,11 +372,18 @@ def test_bind_cores_gives_each_rank_its_own_core() -> None:
     assert "error" not in res, res.get("traceback")
     got = [(r["cores"], r["thread"]) for r in res["per_rank"]]
     assert got == [([cores[0]], [cores[0]]), ([cores[1]], [cores[1]])]
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    env = bench.process_env(parser.parse_args([]))
+    assert env == {**bench.THP, **bench.HEAP_REUSE}
+    assert bench.process_env(parser.parse_args(["--no-thp", "--no-heap-reuse"])) == {}
     free = spawn("tests.test_bench:affinity", 2, {}, timeout_s=120, tag="test", threads=1,
-                 env=bench.THP)  # fmt: skip
+                 env=env)  # fmt: skip
     assert [r["cores"] for r in free["per_rank"]] == [cores, cores]
-    # --thp: the processes start with torch's huge-page switch; this one's is as it was
-    assert [r["thp"] for r in free["per_rank"]] == ["1", "1"]
-    assert [r["thp"] for r in res["per_rank"]] == [os.environ.get("THP_MEM_ALLOC_ENABLE")] * 2
+    # the processes start with torch's huge-page switch and glibc's heap reuse; this one's
+    # environment is as it was
+    assert [(r["thp"], r["mmap_max"]) for r in free["per_rank"]] == [("1", "0")] * 2
+    mine = (os.environ.get("THP_MEM_ALLOC_ENABLE"), os.environ.get("MALLOC_MMAP_MAX_"))
+    assert [(r["thp"], r["mmap_max"]) for r in res["per_rank"]] == [mine] * 2
     with pytest.raises(ValueError, match="needs"):
         rank_cores(len(cores), 1)

@@ -88,6 +88,13 @@ def test_compiled_kernels_count_by_kind_and_as_other_compute() -> None:
         kinded = sum(v for k, v in s["kinds"].items() if k != "optimizer")
         assert kinded == pytest.approx(compute, rel=1e-6), (s, s["kinds"])
         assert s["kinds"]["norm"] > 0 and s["kinds"]["loss"] > 0
+        # top: the same step's heaviest names, heaviest first, the GEMM and a loss kernel
+        top = list(s["top"].items())
+        assert 0 < len(top) <= breakdown.TOP_EVENTS
+        assert [ms for _, ms in top] == sorted((ms for _, ms in top), reverse=True)
+        assert "aten::mm" in s["top"], top
+        assert any(breakdown.kind_of(name) == "loss" for name in s["top"]), top
+        assert sum(s["top"].values()) <= compute + 1e-6
     named = {
         "cpp_fused__log_softmax_amax_exp_sub_sum_3": "loss",
         "cpp_fused__softmax_amax_exp_sub_sum_4": "other",

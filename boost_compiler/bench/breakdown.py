@@ -37,7 +37,8 @@ inside one ``## Call CompiledFxGraph`` event; with :func:`kernel_events` on (Ind
 ``cpp.enable_kernel_profile``, set before the compile) each C++ kernel records an event
 named after the ATen ops it fuses (``cpp_fused__log_softmax_amax_exp_sub_sum_3``), and its
 kind is read from that name, first match in :data:`KINDS`' order: a heuristic, so the table
-says "by kernel name", and what matches nothing is "other", not guessed.
+says "by kernel name", and what matches nothing is "other", not guessed. ``top`` keeps the
+step's heaviest op and kernel names with their self time, to tell which kernel a kind is.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def steps_of(prof: Any) -> list[dict[str, float]]:
             and step.time_range.start <= e.time_range.start
             and e.time_range.end <= step.time_range.end
         ]  # fmt: skip
-        out.append({**split_step(step, inside), "kinds": split_kinds(step, inside)})
+        kinds = split_kinds(step, inside)
+        out.append({**split_step(step, inside), "kinds": kinds, "top": heaviest(step, inside)})
     return out
 
 
@@ -205,6 +207,7 @@ _WORDS = tuple(
     for kind, words in KINDS
 )
 FINE = ("GEMM", *(k for k, _ in KINDS), "other", "comm", "optimizer")
+TOP_EVENTS = 15  # names kept per profiled step (``top``)
 # Inductor's kernel events: ``graph_0_cpp_fused_add_mean_mul_pow_rsqrt_1`` (C++, per graph)
 KERNEL_NAME = re.compile(r"^(graph_\d+_)?(cpp_|triton_)")
 
@@ -238,6 +241,18 @@ def split_kinds(step: Any, events: list[Any]) -> dict[str, float]:
     return out
 
 
+def heaviest(step: Any, events: list[Any], n: int = TOP_EVENTS) -> dict[str, float]:
+    """The ``n`` op and kernel names of most self time (ms) in one profiled step, outside the
+    optimizer, heaviest first: which kernel a kind's time is (a rank's loss kernel against
+    one process's), read off the same step as the parts, not off a separate profile."""
+    _, outside = _optimizer_ms(step, events)
+    by_name: dict[str, float] = {}
+    for e in outside:
+        if kind_of(e.name) is not None:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.self_cpu_time_total / 1e3
+    return dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:n])
+
+
 @contextlib.contextmanager
 def kernel_events() -> Iterator[None]:
     """Inductor's C++ kernels each record a profiler event (compiled inside this context).
@@ -266,6 +281,6 @@ def ratio_rows(one: dict[str, float], ranks: list[dict[str, float]]) -> list[tup
 
 __all__ = [
     "FINE", "KINDS", "PARTS", "classify", "clock_note", "is_kernel", "kernel_events", "kind_of",
-    "median_step", "profile_steps", "ratio_rows", "split_kinds", "split_step", "steps_of",
+    "heaviest", "median_step", "profile_steps", "ratio_rows", "split_kinds", "split_step", "steps_of",
     "summarise", "within",
 ]  # fmt: skip

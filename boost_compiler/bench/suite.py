@@ -53,7 +53,13 @@ two), which would measure the neighbours, not the system. Memory: every process 
 tensors of 2 MiB and more with transparent huge pages: without it each step's fresh large
 buffers (the ``[N, V/p]`` logits and their gradient, 65 MB at V=32,000) are faulted in 4 KiB
 at a time, which on this VM took 50-200 ms more on one rank than on the other in the same
-step (``benchmarks/collective_timeline.py``), charged to the peer as waiting.
+step (``benchmarks/collective_timeline.py``), charged to the peer as waiting. And with
+``MALLOC_MMAP_MAX_=0`` and a large ``MALLOC_TRIM_THRESHOLD_`` (``--no-heap-reuse`` drops
+them): glibc otherwise maps each block over 32 MiB afresh and unmaps it when freed, so every
+step faults in its largest buffers again, however large the pages. One process's loss
+backward at V=32,000 (one fresh ``[N, V]`` buffer) took 135-284 ms a step without it and
+54 ms with it: the baseline of the parallel efficiency, slowed by its allocator, not its
+compute.
 
 Communication: one extra step of each tensor-parallel system under ``torch.profiler``; every
 ``gloo:*`` event counted (``harness.count_collectives``). Next to each measured figure: the
@@ -102,6 +108,11 @@ __all__ = [
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # in a source checkout: its git commit
 THP = {"THP_MEM_ALLOC_ENABLE": "1"}  # --thp: torch reads it once, at its first allocation
+# --heap-reuse: glibc's malloc (mallopt(3)'s environment names) serves every block from its
+# heap and never gives the heap back, so a step's large buffers reuse the last step's pages.
+# The tuning guide's answer is jemalloc or TCMalloc via LD_PRELOAD: system packages this
+# machine's CI cannot install; glibc's own switches need none.
+HEAP_REUSE = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 DEFAULT_GEMM_SCALES = ("small", "large", "xl")
 BREAKDOWN_STEPS = 5  # profiled steps per system; the one of median wall time is split
 
@@ -151,6 +162,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "CPU tuning guide), so a step's fresh large buffers are not faulted in 4 KiB at a time",
     )
     p.add_argument(
+        "--heap-reuse",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="every system's processes start with MALLOC_MMAP_MAX_=0 and a 64 GiB "
+        "MALLOC_TRIM_THRESHOLD_: glibc serves large tensors from its heap and keeps it, so "
+        "each step reuses the previous step's pages instead of faulting in fresh ones",
+    )
+    p.add_argument(
         "--bind-cores",
         action="store_true",
         help="bind each process to its own cores (rank r: the r-th share of cores/tp; a "
@@ -195,6 +214,11 @@ def _version() -> str:
         return ""
 
 
+def process_env(args: argparse.Namespace) -> dict[str, str]:
+    """The variables every system's processes start with (``--thp``, ``--heap-reuse``)."""
+    return {**(THP if args.thp else {}), **(HEAP_REUSE if args.heap_reuse else {})}
+
+
 def _meta(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -219,6 +243,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
         "boost_pipeline": [p.name for p in PIPELINE],
         "boost_formula": boost_formula_key(),
         "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+        "process_env": process_env(args),
         "sizes": {s: SIZES[s].as_dict() for s in args.sizes.split(",") if s in SIZES},
     }
 
@@ -292,7 +317,7 @@ def _run_systems(
                 {"systems": members, "specs": specs, "steps": args.steps, "warmup": args.warmup,
                  "breakdown_steps": BREAKDOWN_STEPS if args.breakdown else 0},
                 timeout_s=args.timeout, threads=threads, tag=tag, log_dir=out / "logs",
-                bind=args.bind_cores, env=THP if args.thp else None,
+                bind=args.bind_cores, env=process_env(args),
             )  # fmt: skip
         results.update(split_group(res, members))
         for system in members:
