@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from boost_compiler.bench.harness import spawn
-    from boost_compiler.bench.suite import THP
+    from boost_compiler.bench.suite import HEAP_REUSE, THP
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--size", default="large")
@@ -160,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bind-cores", action="store_true", help="each rank on its own core")
     ap.add_argument("--thp", action=argparse.BooleanOptionalAction, default=True,
                     help="THP_MEM_ALLOC_ENABLE=1, as boost bench (--no-thp: 4 KiB pages)")  # fmt: skip
+    ap.add_argument("--heap-reuse", action=argparse.BooleanOptionalAction, default=True,
+                    help="glibc keeps its heap, as boost bench (bench/suite.py HEAP_REUSE)")  # fmt: skip
     args = ap.parse_args(argv)
     overlap = {"auto": "auto", "on": True, "off": False}[args.overlap]
     options = {"collective_wait": args.wait, "overlap_comm": overlap}
     res = spawn("benchmarks.collective_timeline:measure", args.tp,
                 {"size": args.size, "steps": args.steps, "options": options},
                 timeout_s=1200, threads=1, tag="timeline", bind=args.bind_cores,
-                env=THP if args.thp else None)  # fmt: skip
+                env={**(THP if args.thp else {}),
+                     **(HEAP_REUSE if args.heap_reuse else {})})  # fmt: skip
     if "error" in res:
         print(res.get("traceback", res["error"]))
         return 1
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     a = _analyse(res["per_rank"])
     bound = (", ranks bound to cores" if args.bind_cores else "") + ("" if args.thp else ", no THP")
+    bound += "" if args.heap_reuse else ", no heap reuse"
     t = Table(title=f"BOOST, size {args.size}, tp={args.tp}, {options}{bound}: median per step (ms)",
               title_justify="left")  # fmt: skip
     for c in ("rank", "step", "collectives", "issuing", "in waits", "of it: peer late (skew)",

@@ -345,6 +345,23 @@ def test_collective_timeline_splits_waits_into_skew_and_transfer() -> None:
     assert out["worst"][0][:2] == (pytest.approx(3.0), 0)  # 3 ms apart: collective 0
 
 
+def test_step_faults_rows_sum_the_loss_kernels_of_each_step() -> None:
+    """``benchmarks/step_faults.py``: a step's loss is its loss kernels' time, nothing else."""
+    from benchmarks.step_faults import rows
+
+    def step(loss_ms: float) -> dict[str, Any]:
+        top = {"aten::mm": 700.0, "graph_0_cpp_fused__unsafe_view_logsumexp_mul_0": loss_ms,
+               "graph_0_cpp_fused_all_gather_into_tensor_cat_logsumexp_1": 12.0,
+               "aten::_scaled_dot_product_flash_attention_for_cpu": 15.0}  # fmt: skip
+        return {"wall_ms": 1000.0, "top": top, "other compute": 150.0, "exposed comm": 90.0}
+
+    got = rows([step(11.0), step(95.0)], [0, 16000])
+    assert [(r["faults"], r["loss"]) for r in got] == [(0, 23.0), (16000, 107.0)]
+    assert got[0]["other"] == 150.0 and got[0]["comm"] == 90.0
+    with pytest.raises(ValueError):  # a step without its fault count is a bug, not a row
+        rows([step(11.0)], [])
+
+
 def affinity(*, rank: int, world: int, mesh: Any) -> dict[str, Any]:
     """Spawned: the cores this rank may run on, and those of a thread it starts (gloo's
     workers are started after the binding, as this one is)."""
