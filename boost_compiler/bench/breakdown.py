@@ -117,8 +117,8 @@ def steps_of(prof: Any) -> list[dict[str, float]]:
             and step.time_range.start <= e.time_range.start
             and e.time_range.end <= step.time_range.end
         ]  # fmt: skip
-        kinds = split_kinds(step, inside)
-        out.append({**split_step(step, inside), "kinds": kinds, "top": heaviest(step, inside)})
+        parts = split_step(step, inside)
+        out.append({**parts, "kinds": split_kinds(step, inside), "top": heaviest(step, inside)})
     return out
 
 

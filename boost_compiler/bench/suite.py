@@ -58,8 +58,9 @@ step (``benchmarks/collective_timeline.py``), charged to the peer as waiting. An
 them): glibc otherwise maps each block over 32 MiB afresh and unmaps it when freed, so every
 step faults in its largest buffers again, however large the pages. One process's loss
 backward at V=32,000 (one fresh ``[N, V]`` buffer) took 135-284 ms a step without it and
-54 ms with it: the baseline of the parallel efficiency, slowed by its allocator, not its
-compute.
+54-73 ms with it: the baseline of the parallel efficiency, slowed by its allocator, not its
+compute. The heap reuses a block only where it has one free of that size: a rank's steps
+still fault a buffer in now and then (``benchmarks/step_faults.py``).
 
 Communication: one extra step of each tensor-parallel system under ``torch.profiler``; every
 ``gloo:*`` event counted (``harness.count_collectives``). Next to each measured figure: the
@@ -109,7 +110,7 @@ __all__ = [
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # in a source checkout: its git commit
 THP = {"THP_MEM_ALLOC_ENABLE": "1"}  # --thp: torch reads it once, at its first allocation
 # --heap-reuse: glibc's malloc (mallopt(3)'s environment names) serves every block from its
-# heap and never gives the heap back, so a step's large buffers reuse the last step's pages.
+# heap and never gives the heap back, so a step's large buffers can reuse the last step's.
 # The tuning guide's answer is jemalloc or TCMalloc via LD_PRELOAD: system packages this
 # machine's CI cannot install; glibc's own switches need none.
 HEAP_REUSE = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
@@ -167,7 +168,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=True,
         help="every system's processes start with MALLOC_MMAP_MAX_=0 and a 64 GiB "
         "MALLOC_TRIM_THRESHOLD_: glibc serves large tensors from its heap and keeps it, so "
-        "each step reuses the previous step's pages instead of faulting in fresh ones",
+        "a step's large buffers can reuse the previous step's pages instead of fresh ones",
     )
     p.add_argument(
         "--bind-cores",
