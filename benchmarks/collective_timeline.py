@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from boost_compiler.bench.harness import spawn
-    from boost_compiler.bench.suite import HEAP_REUSE, THP
+    from boost_compiler.bench.suite import process_env
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--size", default="large")
@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     res = spawn("benchmarks.collective_timeline:measure", args.tp,
                 {"size": args.size, "steps": args.steps, "options": options},
                 timeout_s=1200, threads=1, tag="timeline", bind=args.bind_cores,
-                env={**(THP if args.thp else {}),
-                     **(HEAP_REUSE if args.heap_reuse else {})})  # fmt: skip
+                env=process_env(args))  # fmt: skip
     if "error" in res:
         print(res.get("traceback", res["error"]))
         return 1

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from boost_compiler.bench.harness import spawn
-    from boost_compiler.bench.suite import HEAP_REUSE, THP
+    from boost_compiler.bench.suite import process_env
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--system", default="boost", help="a boost bench system")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--thp", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--heap-reuse", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args(argv)
-    env = {**(THP if args.thp else {}), **(HEAP_REUSE if args.heap_reuse else {})}
+    env = process_env(args)
     res = spawn("benchmarks.step_faults:measure", args.tp,
                 {"system": args.system, "size": args.size, "steps": args.steps},
                 timeout_s=1800, threads=1, tag="faults", env=env)  # fmt: skip
