@@ -79,9 +79,9 @@ from boost_compiler.bench.peers import (  # noqa: E402
     PROJS,
     _keep_labels_call,
     block_plan,
-    next_token_loss,
     top_plan,
 )
+from boost_compiler.models.cola_llama import next_token_loss  # noqa: E402
 
 STRATEGIES = ("boost", "dtensor-sp")
 

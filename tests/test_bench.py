@@ -91,8 +91,8 @@ def test_predictions_tiny() -> None:
     fwd_stats = 2 if boost["formula"] in ("boost", "btp") else 0
     # L x 7r latents (+ 2 norm statistics), the vocabulary-parallel head's all-gather
     # [b, s, d], final-norm stats, and the loss's all-gathered [log-sum-exp, target term]
-    # per shifted token from each of the 2 ranks
-    loss_tokens = TINY.batch * (TINY.seq - 1)
+    # per token from each of the 2 ranks (the labels are shifted: every position is there)
+    loss_tokens = TINY.tokens
     assert boost["fwd_bytes"] == (
         L * t * (7 * r + fwd_stats) * 4 + t * d * 4 + t * 4 + loss_tokens * 2 * 2 * 4
     )
@@ -105,7 +105,7 @@ def test_predictions_torchtitan_tiny() -> None:
     """torchtitan's plans by hand: per layer all-gathers (AG) and reduce-scatters (RS) of
     [t, d] around each sub-block; outside: embedding RS, head AG, 3 loss statistics."""
     t, d, ff, L = TINY.tokens, TINY.d, TINY.ff, TINY.layers
-    loss = 3 * TINY.batch * (TINY.seq - 1) * 4
+    loss = 3 * TINY.tokens * 4
     norms = (2 * L + 1) * d * 4  # the norm weights' Partial gradients, reduced at AdamW
     dense = bench.predict("dtensor-dense", TINY, 2)
     assert dense["fwd_bytes"] == L * 4 * t * d * 4 + 2 * t * d * 4 + loss
@@ -299,8 +299,8 @@ def test_comm_counting_matches_cost_model_tiny() -> None:
         assert r["loss_type"] == "DTensor", strategy  # loss_parallel's replicated loss
         assert "mixed torch.Tensor and DTensor" in r["without_loss_parallel"], strategy
         assert r["labels_call"] == pytest.approx(r["ref"], rel=1e-5), strategy
-        # loss_parallel: 3 per-token statistics [b(s-1), 1], never the [b, s, V] logits
-        n = ONE_LAYER.batch * (ONE_LAYER.seq - 1)
+        # loss_parallel: 3 per-token statistics [b s, 1], never the [b, s, V] logits
+        n = ONE_LAYER.tokens
         assert r["shapes"][f"fwd gloo:all_reduce [{n}, 1] float"] == 3, r["shapes"]
         assert not any(f", {V // 2}]" in k or f", {V}]" in k for k in r["shapes"]), r["shapes"]
     # per rank, the dense model's state under torchtitan's plan is about half the 1-process one

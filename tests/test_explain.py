@@ -97,11 +97,11 @@ def test_final_stage_equals_the_parallelize_plan(explained: Report) -> None:
 
 def test_the_loss_is_one_statistics_gather(explained: Report) -> None:
     """The vocabulary-parallel loss, as explain lists it: one forward all-gather of every
-    rank's [log-sum-exp, target term] per shifted token, nothing backward."""
+    rank's [log-sum-exp, target term] per token, nothing backward."""
     final = explained.final()
     assert final is not None
     loss = [r.collective for r in final.collectives if r.collective.reason.startswith("loss")]
-    tokens = 2 * 15  # cola_llama_tiny: batch 2, seq 16, shifted
+    tokens = 2 * 16  # cola_llama_tiny: batch 2, seq 16 (the labels shifted, not the logits)
     assert [(c.kind, tuple(c.global_shape), c.forward, c.backward) for c in loss] == [
         ("all_gather", (2 * tokens, 2), True, False)
     ], loss

@@ -51,10 +51,18 @@ def test_cola_llama_loss_scalar_and_backward() -> None:
     loss = model(ids, labels=ids)
     assert loss.ndim == 0
     assert torch.isfinite(loss)
+    # the mean over the positions that have a next token: the logits sliced, as written
+    # before next_token_loss shifted the labels instead
     ref = torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
     )
     torch.testing.assert_close(loss, ref)
+    ignored = ids.clone()
+    ignored[:, 5] = -100  # a label the loss must skip: position 4 has no target
+    ref = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ignored[:, 1:].reshape(-1)
+    )
+    torch.testing.assert_close(model(ids, labels=ignored), ref)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
 

@@ -173,9 +173,11 @@ def test_inductor_graphs_hold_exactly_the_planned_collectives() -> None:
     per_layer_bwd = [(b, s, 3 * r), (b, s, r), (b, s, 2 * r), (b, s, r)]
     # + the final norm's statistics (it feeds the LM head's gather, not a down factor),
     # and the vocabulary-parallel loss: one all-gather of every rank's [log-sum-exp, target
-    # term] per shifted token (the input of each: this rank's [tokens, 2]); backward: the head input's gradient (each rank holds part of the vocabulary),
-    # reduce-scattered onto the hidden shards (d-major: the scatter splits dim 0).
-    tokens = b * (s - 1)
+    # term] per token (the input of each: this rank's [tokens, 2]; the labels are shifted,
+    # so every position is there); backward: the head input's gradient (each rank holds
+    # part of the vocabulary), reduce-scattered onto the hidden shards (d-major: the
+    # scatter splits dim 0).
+    tokens = b * s
     assert sorted(p for k, p in fwd if k == "all_reduce") == sorted(
         per_layer_fwd * layers + [(b, s, 1)]
     )

@@ -46,8 +46,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ..models.cola_llama import next_token_loss
 
 # The two DTensor systems that run torchtitan's configuration (the defaults).
 TORCHTITAN = ("dtensor-lowrank", "dtensor-dense")
@@ -56,13 +57,6 @@ PROJS = {
     "mlp": ("gate_proj", "up_proj", "down_proj"),
 }
 _TO_RESIDUAL = ("o_proj", "down_proj")  # the projections whose output joins the residual
-
-
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The mean next-token cross-entropy, written as ``ColaLlama.forward`` computes it."""
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
-    )
 
 
 def block_plan(lowrank: bool) -> dict[str, Any]:
@@ -200,7 +194,7 @@ def predict(system: str, spec: Any, tp: int, optimizer: bool = True) -> dict[str
     up (d_ff) and the reduce-scatters of o.up, down.up (d); backward: 2 reduce-scatters
     and 2 all-gathers of [t, d] and the all-reduces of the o.down (d) and down.down (d_ff)
     input gradients. Outside the layers, forward: the embedding's reduce-scatter and the
-    head's all-gather of [t, d], and loss_parallel's three [b(s-1)] statistics (max, sum
+    head's all-gather of [t, d], and loss_parallel's three [b s] statistics (max, sum
     exp, target logit); backward: their two mirrors; ``optimizer``: the 2L+1 all-reduces
     of [d] of the norm weights' Partial gradients.
     """
@@ -217,7 +211,7 @@ def predict(system: str, spec: Any, tp: int, optimizer: bool = True) -> dict[str
         terms = "L x (AG, RS x 2, AR q/k/v/gate/up; bwd RS, AG x 2, AR o.down/down.down)"
     else:
         raise ValueError(f"no torchtitan plan for {system!r}")
-    loss_tokens = spec.batch * (spec.seq - 1)
+    loss_tokens = t  # every position: the last one's label is ignored, not sliced off
     fwd_count = L * layer_fwd[0] + 2 + 3
     fwd_elems = L * layer_fwd[1] + 2 * t * d
     bwd_count = L * layer_bwd[0] + 2 + (2 * L + 1 if optimizer else 0)
@@ -229,7 +223,7 @@ def predict(system: str, spec: Any, tp: int, optimizer: bool = True) -> dict[str
         "bwd_bytes": bwd_elems * e,
         "fwd_count": fwd_count,
         "bwd_count": bwd_count,
-        "terms": f"{terms} + embedding RS / head AG [b,s,d] + 3 loss stats [b(s-1)]{opt_terms}",
+        "terms": f"{terms} + embedding RS / head AG [b,s,d] + 3 loss stats [b,s]{opt_terms}",
     }
     out["bytes"] = out["fwd_bytes"] + out["bwd_bytes"]
     out["count"] = out["fwd_count"] + out["bwd_count"]

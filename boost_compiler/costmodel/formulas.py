@@ -240,9 +240,10 @@ def formulas(fused: bool = True) -> dict[str, StrategyFormula]:
 # and backward), one all-gather of [b, s, d] before the vocabulary-parallel head and its
 # backward reduce-scatter (the hidden's gradient sums the vocabulary shards' parts, and each
 # rank keeps its hidden shard of the sum: ``reduce_scatter_grads``), and the
-# loss's per-token statistics over the b(s-1) shifted tokens: one all-gather of every
-# rank's [log-sum-exp, target term] (p x 2 elements gathered), nothing backward.
-BTP_STEP_EXTRA = (_cf(d, 1 + 2 * p * (s - 1) / s, 3), _cf(d, 1, 2))
+# loss's per-token statistics over the b s tokens (``next_token_loss`` shifts the labels,
+# so the last position is there with its label ignored): one all-gather of every rank's
+# [log-sum-exp, target term] (p x 2 elements gathered), nothing backward.
+BTP_STEP_EXTRA = (_cf(d, 1 + 2 * p, 3), _cf(d, 1, 2))
 # The same model returning logits (no loss in the graph): the head is replicated.
 BTP_STEP_EXTRA_LOGITS = (_cf(d, 1, 2), _cf(0, 1, 1))
 

@@ -335,10 +335,28 @@ class ColaLlama(nn.Module):
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
-        return F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-            labels[:, 1:].reshape(-1),
-        )
+        return next_token_loss(logits, labels)
+
+
+def next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """Mean cross-entropy of each position's logits ``[b, s, V]`` against the next
+    position's label (``ignore_index``: none), over the positions that have one.
+
+    The labels are shifted, not the logits, as transformers' ``ForCausalLMLoss`` does: the
+    last position's label becomes ``ignore_index`` and the logits are read whole. Slicing
+    them (``logits[:, :-1]``) gives the same mean but copies ``[b, s-1, V]`` and keeps
+    Inductor from writing the loss's gradient into the logits' buffer: one process's step
+    at V=32,000 took 1822 / 2172 / 1698 ms with the slice, 1739 / 2029 / 1653 with this
+    (three alternating runs).
+    """
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        shifted.reshape(-1),
+        ignore_index=ignore_index,
+    )
 
 
 def build(

@@ -10,10 +10,10 @@ import copy
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import VocabSizeError
+from ..models.cola_llama import next_token_loss
 from ..tp.shard_boundary import from_tp_shards, to_tp_shard
 from .config import TrainConfig, TrainConfigError
 from .model_spec import ModelSpec
@@ -59,9 +59,7 @@ class CoLAStage(nn.Module):
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
-        return F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
-        )
+        return next_token_loss(logits, labels)
 
 
 def build_preset(cfg: TrainConfig) -> nn.Module:

@@ -17,21 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import BoostError, PipelineError
+from ..models.cola_llama import next_token_loss
 from ..tp.shard_boundary import from_tp_shards, to_tp_shard
 from .config import TrainConfig, TrainConfigError
 from .model_spec import ModelSpec, same_on_every_rank
 from .stages import StageSpec
-
-
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of each position's logits against the next label (-100: none)."""
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
-    )
 
 
 class LayeredLM(nn.Module):
